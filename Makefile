@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+# Re-install when the dependency lists change.
+DEPS_HASH := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
+RUN_STAMP := $(VENV)/.installed-run-$(DEPS_HASH)
+TEST_STAMP := $(VENV)/.installed-test-$(DEPS_HASH)
+
+.PHONY: run test lint typecheck clean
+
+$(PY):
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
+	$(PYTHON) -m venv $(VENV)
+
+$(RUN_STAMP): | $(PY)
+	$(PIP) install -c constraints.txt -e .
+	@touch $@
+
+$(TEST_STAMP): | $(PY)
+	$(PIP) install -c constraints.txt -e '.[test]'
+	@touch $@ $(RUN_STAMP)
+
+run: $(RUN_STAMP)
+	$(VENV)/bin/etrain serve
+
+test: $(TEST_STAMP)
+	$(VENV)/bin/ruff check service jobs elastic tests bench
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -ra --durations=15
+
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check service jobs elastic tests bench
+	$(VENV)/bin/ruff format --check service jobs elastic tests bench
+
+clean:
+	rm -rf $(VENV) .etrain

@@ -1,0 +1,106 @@
+"""What a training worker knows about its job: rank, world, where to checkpoint, whom to tell."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import ray.train
+import torch
+
+from elastic.checkpoints import CheckpointDir, CheckpointInfo
+from elastic.sampling import SamplerPosition
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.pt"
+
+
+@dataclass
+class WorkerContext:
+    """Built from the ``_elastic`` part of the train-loop config that the supervisor passes."""
+
+    rank: int
+    world_size: int
+    attempt: int
+    checkpoints: CheckpointDir
+    every_steps: int
+    keep: int
+    supervisor: Any  # the supervisor's actor handle, or None when run without one
+    resume_path: str | None  # the verified checkpoint this attempt starts from
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> WorkerContext:
+        meta = config["_elastic"]
+        ctx = ray.train.get_context()
+        supervisor = None
+        if meta.get("supervisor"):
+            supervisor = ray.get_actor(meta["supervisor"], namespace=meta["namespace"])
+        return cls(
+            rank=ctx.get_world_rank(),
+            world_size=ctx.get_world_size(),
+            attempt=int(meta["attempt"]),
+            checkpoints=CheckpointDir(meta["checkpoint_dir"]),
+            every_steps=int(meta["every_steps"]),
+            keep=int(meta["keep"]),
+            supervisor=supervisor,
+            resume_path=meta.get("resume_path"),
+        )
+
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        """Tell the supervisor (fire and forget: training never waits on it)."""
+        if self.supervisor is not None:
+            self.supervisor.record.remote(kind, {"attempt": self.attempt, **data})
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any]) -> CheckpointInfo:
+        state = {**state, "rng": _rng_state()}
+        info = self.checkpoints.save(step, lambda d: torch.save(state, d / STATE_FILE))
+        self.emit(
+            "checkpoint_saved",
+            {"step": step, "path": info.path, "size_bytes": info.size_bytes,
+             "created_at": info.created_at},
+        )
+        for removed in self.checkpoints.prune(self.keep):
+            self.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
+        return info
+
+    def restore(self) -> dict[str, Any] | None:
+        """The state of the checkpoint this attempt starts from, if any."""
+        if not self.resume_path:
+            return None
+        state = torch.load(
+            Path(self.resume_path) / STATE_FILE, map_location="cpu", weights_only=False
+        )
+        _set_rng_state(state.get("rng"))
+        return state
+
+
+def position_to_dict(position: SamplerPosition) -> dict[str, int]:
+    return {"epoch": position.epoch, "consumed": position.consumed}
+
+
+def position_from_dict(data: dict[str, int] | None) -> SamplerPosition:
+    return SamplerPosition(**data) if data else SamplerPosition()
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any] | None) -> None:
+    if not state:
+        return
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

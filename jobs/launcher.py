@@ -1,0 +1,110 @@
+"""Places jobs on Ray: connects to the cluster, starts each job's supervisor, finds it again."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from elastic import capacity
+from elastic.supervisor import Supervisor, SupervisorPlan
+from jobs.spec import JobSpec
+from jobs.state import TRANSITIONS, JobState
+from jobs.workloads import WORKLOADS
+
+log = logging.getLogger(__name__)
+
+ACTOR_PREFIX = "etrain-supervisor-"
+
+
+def connect(
+    address: str | None,
+    namespace: str,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+) -> None:
+    """Join ``address``, or start a local Ray instance when it is None. A no-op when this
+    process is already connected (tests share one cluster)."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+        return
+    ray.init(
+        # "local" always starts a new instance: a bare init would try to join a stale
+        # cluster that an earlier crash left recorded in Ray's temp dir.
+        address="local",
+        namespace=namespace,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        log_to_driver=False,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+    )
+
+
+def disconnect() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def is_connected() -> bool:
+    return ray.is_initialized()
+
+
+def supervisor_name(job_id: str) -> str:
+    return ACTOR_PREFIX + job_id
+
+
+def max_workers_ever(spec: JobSpec) -> int:
+    return capacity.workers_ever(spec.scaling.worker_resources())
+
+
+def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str,
+           first_seq: int) -> Any:
+    """Start the job's supervisor (detached: it outlives the API process) and its loop."""
+    workload = WORKLOADS.get(spec.workload)
+    train_loop = workload.train_loop if workload else spec.workload
+    plan = SupervisorPlan(
+        job_id=job_id,
+        train_loop=train_loop,
+        train_config={"hyperparameters": spec.hyperparameters},
+        min_workers=spec.scaling.min_workers,
+        max_workers=spec.scaling.max_workers,
+        resources_per_worker=spec.scaling.worker_resources(),
+        backend=spec.scaling.backend,
+        checkpoint_dir=os.path.join(checkpoint_root, job_id),
+        every_steps=spec.checkpoint.every_steps,
+        keep=spec.checkpoint.keep,
+        max_restarts=spec.failure.max_restarts,
+        actor_name=supervisor_name(job_id),
+        namespace=namespace,
+        transitions={s.value: [t.value for t in ts] for s, ts in TRANSITIONS.items()},
+        initial_state=JobState.QUEUED.value,
+    )
+    options: dict[str, Any] = {
+        "name": plan.actor_name,
+        "namespace": namespace,
+        "lifetime": "detached",
+        "get_if_exists": True,
+    }
+    head = capacity.head_node_id()
+    if head:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+    handle = Supervisor.options(**options).remote(plan, first_seq)  # type: ignore[attr-defined]
+    handle.start.remote()
+    return handle
+
+
+def find_supervisor(job_id: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(supervisor_name(job_id), namespace=namespace)
+    except ValueError:
+        return None
+
+
+def stop_supervisor(handle: Any) -> None:
+    ray.kill(handle, no_restart=True)

@@ -1,0 +1,56 @@
+"""Hyperparameters of the image-classification workload (no torch import here)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from jobs.validation import field_error
+
+class ImageClassificationHyperparameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Literal["resnet18", "small_cnn"] = Field(
+        "resnet18", description="torchvision resnet18, or a small CNN for fast runs."
+    )
+    dataset: Literal["synthetic", "imagefolder"] = Field(
+        "synthetic", description="Seeded synthetic images, or an ImageFolder directory."
+    )
+    data_path: str | None = Field(
+        None,
+        min_length=1,
+        description="Root of the ImageFolder tree (one sub-directory per class); it must be "
+        "readable from every Ray node.",
+    )
+    epochs: int | None = Field(None, ge=1, le=100_000, description="Passes over the data.")
+    max_steps: int | None = Field(
+        None, ge=1, le=100_000_000, description="Optimizer steps; the run stops at the first "
+        "of epochs and max_steps."
+    )
+    global_batch_size: int = Field(
+        64, ge=1, le=1_048_576, description="Samples per optimizer step, across all workers."
+    )
+    learning_rate: float = Field(0.1, gt=0, le=100)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    image_size: int = Field(32, ge=8, le=1024, description="Side of the (square) input images.")
+    num_classes: int = Field(10, ge=2, le=100_000)
+    synthetic_samples: int = Field(
+        2048, ge=1, le=10_000_000, description="Size of the synthetic dataset."
+    )
+    report_every_steps: int = Field(
+        1, ge=1, le=100_000, description="How often rank 0 reports metrics."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ImageClassificationHyperparameters:
+        title = type(self).__name__
+        if self.epochs is None and self.max_steps is None:
+            raise field_error(
+                title, "max_steps", "give epochs or max_steps (or both: the run stops at the first)"
+            )
+        if self.dataset == "imagefolder" and not self.data_path:
+            raise field_error(title, "data_path", "data_path is required for dataset 'imagefolder'")
+        return self

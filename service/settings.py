@@ -1,0 +1,71 @@
+"""Every setting of the service, in one place. Each is read from an ``ETRAIN_`` variable."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ETRAIN_", env_file=None, extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP server listens on.")
+    data_dir: Path = Field(
+        Path(".etrain"),
+        description="Where the embedded default keeps its SQLite file, the generated admin "
+        "token and (unless checkpoint_dir says otherwise) checkpoints.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the store, e.g. postgresql+psycopg://u@db/etrain. "
+        "Unset: SQLite under data_dir.",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Address of an existing Ray cluster (e.g. ray://head:10001 or head:6379). "
+        "Unset: the service starts a local Ray instance itself.",
+    )
+    ray_namespace: str = Field(
+        "elastic-train",
+        description="Ray namespace that holds the job supervisors; the service finds them "
+        "there again after a restart.",
+    )
+    ray_num_cpus: int | None = Field(
+        None, ge=1, description="Logical CPUs of the embedded Ray instance. Unset: all cores."
+    )
+    ray_num_gpus: int | None = Field(
+        None, ge=0, description="GPUs of the embedded Ray instance. Unset: Ray detects them."
+    )
+    checkpoint_dir: str | None = Field(
+        None,
+        description="Directory where jobs write checkpoints; it must be reachable from every "
+        "Ray node (a shared volume on a real cluster). Unset: data_dir/checkpoints.",
+    )
+    api_token: SecretStr | None = Field(
+        None,
+        description="The bearer token every API call must carry. Unset: one is generated on "
+        "first start, stored in data_dir/admin-token and printed.",
+    )
+    event_poll_interval_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="How often the service collects new events from the job supervisors.",
+    )
+    log_level: str = Field("info", description="Log level of the service (debug, info, ...).")
+
+    @cached_property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'etrain.db').resolve()}"
+
+    @cached_property
+    def resolved_checkpoint_dir(self) -> str:
+        if self.checkpoint_dir:
+            return self.checkpoint_dir
+        return str((self.data_dir / "checkpoints").resolve())
