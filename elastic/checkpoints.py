@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -73,7 +74,7 @@ class CheckpointDir:
         tmp.mkdir()
         try:
             write(tmp)
-            files = {}
+            files: dict[str, dict[str, Any]] = {}
             for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
                 with f.open("rb") as fh:
                     os.fsync(fh.fileno())
@@ -100,7 +101,7 @@ class CheckpointDir:
         size = sum(int(v["size"]) for v in files.values())
         return CheckpointInfo(step, str(final), size, created_at)
 
-    def list(self) -> list[CheckpointInfo]:
+    def existing(self) -> list[CheckpointInfo]:
         """Checkpoints that have a readable manifest, oldest first (checksums not verified)."""
         if not self.root.is_dir():
             return []
@@ -132,7 +133,7 @@ class CheckpointDir:
     def latest_valid(self) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
         """The newest checkpoint that verifies, and the newer ones skipped with why."""
         skipped: list[tuple[CheckpointInfo, str]] = []
-        for info in reversed(self.list()):
+        for info in reversed(self.existing()):
             try:
                 self.verify(info.path)
             except CorruptCheckpoint as e:
@@ -143,7 +144,7 @@ class CheckpointDir:
 
     def prune(self, keep: int) -> list[CheckpointInfo]:
         """Delete all but the newest ``keep`` checkpoints; returns those deleted."""
-        existing = {c.step: c for c in self.list()}
+        existing = {c.step: c for c in self.existing()}
         removed = []
         for step in steps_to_delete(existing, keep):
             shutil.rmtree(existing[step].path, ignore_errors=True)

@@ -120,7 +120,7 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
         position = advance(position, dataset_size, settings.global_batch_size)
         window_samples += global_batch
 
-        if step == first_step or step % settings.report_every_steps == 0 or step == last_step:
+        if step in (first_step, last_step) or step % settings.report_every_steps == 0:
             totals = torch.stack([loss_sum.float(), correct.float()]).to(device)
             if ctx.world_size > 1:
                 dist.all_reduce(totals)
@@ -139,7 +139,7 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
             window_start, window_samples = time.perf_counter(), 0
 
         if ctx.rank == 0 and (step % ctx.every_steps == 0 or step == last_step):
-            unwrapped = model.module if hasattr(model, "module") else model
+            unwrapped: nn.Module = getattr(model, "module", model)
             ctx.save(step, {
                 "model": unwrapped.state_dict(),
                 "optimizer": optimizer.state_dict(),

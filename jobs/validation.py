@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -36,7 +36,7 @@ def prefixed(title: str, prefix: str, error: ValidationError) -> ValidationError
     return ValidationError.from_exception_data(title, details)
 
 
-def describe(errors: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
+def describe(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
     """``[{"field": "scaling.min_workers", "message": "..."}]`` from pydantic's errors."""
     out = []
     for err in errors:

@@ -50,6 +50,11 @@ class Settings(BaseSettings):
         description="The bearer token every API call must carry. Unset: one is generated on "
         "first start, stored in data_dir/admin-token and printed.",
     )
+    entrypoint_modules: list[str] = Field(
+        default_factory=list,
+        description="Modules (or packages) whose functions jobs may name as a custom "
+        "'package.module:function' workload. Empty: custom entrypoints are refused.",
+    )
     event_poll_interval_s: float = Field(
         0.5,
         gt=0,

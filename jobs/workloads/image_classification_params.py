@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jobs.validation import field_error
 
+
 class ImageClassificationHyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -1,0 +1,83 @@
+"""The FastAPI application: wiring of settings, store, Ray and the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
+
+from jobs import launcher
+from service import api, problems
+from service.auth import resolve_admin_token
+from service.control import JobControl
+from service.problems import Problem
+from service.settings import Settings
+from service.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(
+            launcher.connect, settings.ray_address, settings.ray_namespace,
+            settings.ray_num_cpus, settings.ray_num_gpus)
+        control = JobControl(settings, app.state.store)
+        app.state.control = control
+        control.start()
+        try:
+            yield
+        finally:
+            await control.stop()
+            app.state.store.close()
+
+    app = FastAPI(
+        title="elastic-train",
+        version="0.1.0",
+        description="Elastic PyTorch training on Ray.",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    app.state.store = Store(settings.resolved_database_url)
+    app.state.admin_token, _ = resolve_admin_token(settings)
+    problems.install(app)
+    app.include_router(api.router)
+    # Swagger UI from the PyPI package's files: /docs works with no internet.
+    app.mount("/docs-assets", StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json", title="elastic-train API",
+            swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/docs-assets/favicon-32x32.png",
+        )
+
+    @app.get("/healthz", tags=["health"], summary="Liveness: the process answers")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="Readiness: the store and Ray answer")
+    def readyz(request: Request) -> JSONResponse:
+        try:
+            request.app.state.store.ping()
+        except Exception as e:
+            raise Problem(503, "Not ready", f"the store does not answer: {e}") from e
+        if not launcher.is_connected() or not hasattr(request.app.state, "control"):
+            raise Problem(503, "Not ready", "not connected to Ray yet")
+        return JSONResponse({"status": "ready"})
+
+    return app

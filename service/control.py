@@ -1,0 +1,182 @@
+"""Submitting, cancelling and following jobs: the store on one side, Ray on the other.
+
+The event pump collects each live job's events from its supervisor, stores them (that is
+what makes them real), then acknowledges them so the supervisor can let them go. A
+restarted service simply starts pumping again from the last stored sequence number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from jobs import launcher
+from jobs.spec import JobSpec
+from jobs.state import JobState
+from service.problems import Problem
+from service.settings import Settings
+from service.store import JobRow, Store
+
+log = logging.getLogger(__name__)
+
+# A supervisor not found this long after its job's last change is gone, not late.
+MISSING_GRACE_S = 5.0
+CALL_TIMEOUT_S = 10.0
+
+
+class JobControl:
+    def __init__(self, settings: Settings, store: Store) -> None:
+        self.settings = settings
+        self.store = store
+        self._handles: dict[str, Any] = {}
+        self._missing_since: dict[str, float] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # -- commands -----------------------------------------------------------------------
+
+    def check_admissible(self, spec: JobSpec) -> None:
+        if spec.is_custom:
+            module = spec.workload.partition(":")[0]
+            allowed = self.settings.entrypoint_modules
+            if not any(module == m or module.startswith(m + ".") for m in allowed):
+                raise Problem(422, "Invalid job spec",
+                              f"workload: module {module!r} is not on this service's "
+                              "allow-list of entrypoint modules (ETRAIN_ENTRYPOINT_MODULES)",
+                              errors=[{"field": "workload",
+                                       "message": f"module {module!r} is not allowed"}])
+        most = launcher.max_workers_ever(spec)
+        if most < spec.scaling.min_workers:
+            need = spec.scaling.worker_resources()
+            message = (f"min_workers is {spec.scaling.min_workers} but this cluster can hold at "
+                       f"most {most} workers of {need}")
+            raise Problem(422, "Invalid job spec", f"scaling.min_workers: {message}",
+                          errors=[{"field": "scaling.min_workers", "message": message}])
+
+    async def submit(self, spec: JobSpec, owner: str) -> JobRow:
+        await asyncio.to_thread(self.check_admissible, spec)
+        job = await asyncio.to_thread(
+            self.store.create_job, spec.name, owner, spec.workload, spec.model_dump(mode="json")
+        )
+        await self._launch(job)
+        return await asyncio.to_thread(self._get, job.id)
+
+    async def cancel(self, job_id: str, reason: str = "cancelled by the user") -> JobRow:
+        job = await asyncio.to_thread(self._get, job_id)
+        if JobState(job.state).is_terminal:
+            raise Problem(409, "Job already ended", f"the job is {job.state}", state=job.state)
+        handle = await asyncio.to_thread(launcher.find_supervisor, job_id,
+                                         self.settings.ray_namespace)
+        if handle is not None:
+            try:
+                await asyncio.wait_for(handle.cancel.remote(reason), CALL_TIMEOUT_S)
+            except (RayActorError, TimeoutError):
+                handle = None
+        if handle is None:
+            await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
+        await self.sync(job_id)
+        return await asyncio.to_thread(self._get, job_id)
+
+    # -- the pump -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                jobs = await asyncio.to_thread(self.store.active_jobs)
+                await asyncio.gather(*(self.sync(j.id) for j in jobs))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("event pump tick failed")
+            await asyncio.sleep(self.settings.event_poll_interval_s)
+
+    async def sync(self, job_id: str) -> None:
+        """Bring the store up to date with the job's supervisor."""
+        lock = self._locks.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            job = await asyncio.to_thread(self._get, job_id)
+            if JobState(job.state).is_terminal:
+                self._forget(job_id)
+                return
+            handle = self._handles.get(job_id) or await asyncio.to_thread(
+                launcher.find_supervisor, job_id, self.settings.ray_namespace)
+            if handle is None:
+                await self._supervisor_missing(job)
+                return
+            self._handles[job_id] = handle
+            self._missing_since.pop(job_id, None)
+            try:
+                events = await asyncio.wait_for(handle.events.remote(job.last_seq),
+                                                CALL_TIMEOUT_S)
+            except RayActorError as e:
+                self._handles.pop(job_id, None)
+                await self._end_without_supervisor(
+                    job_id, JobState.FAILED, f"the job's supervisor died: {e}")
+                return
+            except TimeoutError:
+                return  # busy or on a node being declared dead: try next tick
+            if not events:
+                return
+            job = await asyncio.to_thread(self.store.append_events, job_id, events)
+            handle.ack.remote(events[-1]["seq"])
+            if JobState(job.state).is_terminal:
+                launcher.stop_supervisor(handle)
+                self._forget(job_id)
+
+    async def _launch(self, job: JobRow) -> None:
+        try:
+            spec = JobSpec.model_validate(job.spec)
+            handle = await asyncio.to_thread(
+                launcher.launch, job.id, spec, self.settings.resolved_checkpoint_dir,
+                self.settings.ray_namespace, job.last_seq + 1)
+            self._handles[job.id] = handle
+        except Exception as e:
+            log.exception("could not launch %s", job.id)
+            await self._end_without_supervisor(job.id, JobState.FAILED,
+                                               f"could not start the job on Ray: {e}")
+
+    async def _supervisor_missing(self, job: JobRow) -> None:
+        if job.state == JobState.QUEUED.value:
+            # Created but never launched (the service stopped in between): launch it now.
+            await self._launch(job)
+            return
+        first = self._missing_since.setdefault(job.id, time.monotonic())
+        if time.monotonic() - first < MISSING_GRACE_S:
+            return
+        await self._end_without_supervisor(
+            job.id, JobState.FAILED,
+            "the job's supervisor is gone from Ray (the cluster restarted or lost its node)")
+
+    async def _end_without_supervisor(self, job_id: str, state: JobState, reason: str) -> None:
+        """Only when no supervisor can write the log any more does the service write it."""
+        job = await asyncio.to_thread(self._get, job_id)
+        if JobState(job.state).is_terminal:
+            return
+        event = {"seq": job.last_seq + 1, "kind": "state", "time": time.time(),
+                 "data": {"state": state.value, "previous": job.state, "reason": reason}}
+        await asyncio.to_thread(self.store.append_events, job_id, [event])
+        self._forget(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        self._handles.pop(job_id, None)
+        self._missing_since.pop(job_id, None)
+
+    def _get(self, job_id: str) -> JobRow:
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise Problem(404, "Not found", f"no job {job_id!r}")
+        return job

@@ -1,0 +1,70 @@
+"""Errors over HTTP as RFC 9457 problem details (application/problem+json)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jobs.validation import describe
+
+log = logging.getLogger(__name__)
+
+MEDIA_TYPE = "application/problem+json"
+
+
+class Problem(Exception):
+    def __init__(self, status: int, title: str, detail: str | None = None,
+                 headers: dict[str, str] | None = None, **extensions: Any) -> None:
+        super().__init__(detail or title)
+        self.status, self.title, self.detail = status, title, detail
+        self.headers = headers or {}
+        self.extensions = extensions
+
+
+def invalid(errors: list[dict[str, str]], status: int = 422) -> Problem:
+    """A rejection of the request body, each error naming its field."""
+    detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
+    return Problem(status, "Invalid job spec" if status == 422 else "Invalid request",
+                   detail, errors=errors)
+
+
+def problem_response(request: Request, p: Problem) -> JSONResponse:
+    body: dict[str, Any] = {"type": "about:blank", "title": p.title, "status": p.status}
+    if p.detail:
+        body["detail"] = p.detail
+    body["instance"] = request.url.path
+    body.update(p.extensions)
+    return JSONResponse(body, status_code=p.status, media_type=MEDIA_TYPE, headers=p.headers)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(Problem)
+    async def _problem(request: Request, exc: Problem) -> JSONResponse:
+        return problem_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return problem_response(request, invalid(describe(exc.errors())))
+
+    @app.exception_handler(ValidationError)
+    async def _pydantic(request: Request, exc: ValidationError) -> JSONResponse:
+        return problem_response(request, invalid(describe(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        titles = {404: "Not found", 405: "Method not allowed", 401: "Unauthorized"}
+        p = Problem(exc.status_code, titles.get(exc.status_code, "HTTP error"),
+                    str(exc.detail) if exc.detail else None, headers=dict(exc.headers or {}))
+        return problem_response(request, p)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(request, Problem(500, "Internal server error",
+                                                 "the error was logged on the server"))

@@ -1,0 +1,273 @@
+"""The store: jobs, their event log and checkpoints, through SQLAlchemy 2 (SQLite or PostgreSQL)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    event,
+    select,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from jobs.state import TERMINAL_STATES, JobState, check_transition
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    # Time-ordered ids: newest first is a descending sort on the key alone.
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    owner: Mapped[str] = mapped_column(String(128), index=True)
+    workload: Mapped[str] = mapped_column(String(256))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    world_size: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    last_seq: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class EventRow(Base):
+    __tablename__ = "job_events"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    time: Mapped[float] = mapped_column(Float)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class CheckpointRow(Base):
+    __tablename__ = "checkpoints"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[float] = mapped_column(Float)
+    removed: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+def new_job_id() -> str:
+    return f"job-{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class Page:
+    items: list[JobRow]
+    next_cursor: str | None
+
+
+def encode_cursor(job_id: str) -> str:
+    return base64.urlsafe_b64encode(job_id.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> str:
+    try:
+        value = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except ValueError as e:
+        raise ValueError("cursor is not one this service gave out") from e
+    if not value.startswith("job-"):
+        raise ValueError("cursor is not one this service gave out")
+    return value
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine: Engine = _make_engine(url)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def ping(self) -> None:
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with self._sessions.begin() as s:
+            yield s
+
+    # -- jobs ---------------------------------------------------------------------------
+
+    def create_job(self, name: str, owner: str, workload: str, spec: dict[str, Any]) -> JobRow:
+        now = utcnow()
+        job = JobRow(
+            id=new_job_id(), name=name, owner=owner, workload=workload, spec=spec,
+            state=JobState.QUEUED.value, world_size=0, step=0, restarts=0, last_seq=1,
+            created_at=now, updated_at=now,
+        )
+        with self.session() as s:
+            s.add(job)
+            s.add(EventRow(job_id=job.id, seq=1, kind="state", time=now.timestamp(),
+                           data={"state": JobState.QUEUED.value, "previous": None,
+                                 "reason": None}))
+        return job
+
+    def get_job(self, job_id: str) -> JobRow | None:
+        with self.session() as s:
+            return s.get(JobRow, job_id)
+
+    def list_jobs(self, state: JobState | None, limit: int, cursor: str | None) -> Page:
+        query = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
+        if state is not None:
+            query = query.where(JobRow.state == state.value)
+        if cursor:
+            query = query.where(JobRow.id < decode_cursor(cursor))
+        with self.session() as s:
+            rows = list(s.scalars(query))
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return Page(rows, encode_cursor(rows[-1].id) if more and rows else None)
+
+    def active_jobs(self) -> list[JobRow]:
+        terminal = [s.value for s in TERMINAL_STATES]
+        with self.session() as s:
+            return list(s.scalars(select(JobRow).where(JobRow.state.not_in(terminal))))
+
+    # -- events -------------------------------------------------------------------------
+
+    def events(self, job_id: str, after: int = 0, limit: int = 1000) -> list[EventRow]:
+        query = (
+            select(EventRow)
+            .where(EventRow.job_id == job_id, EventRow.seq > after)
+            .order_by(EventRow.seq)
+            .limit(limit)
+        )
+        with self.session() as s:
+            return list(s.scalars(query))
+
+    def append_events(self, job_id: str, events: Sequence[dict[str, Any]]) -> JobRow:
+        """Store events (``{seq, kind, time, data}``) and fold them into the job's summary,
+        in one transaction. Events at or below the stored sequence are already here."""
+        with self.session() as s:
+            job = s.get(JobRow, job_id, with_for_update=True)
+            if job is None:
+                raise KeyError(job_id)
+            for ev in sorted(events, key=lambda e: e["seq"]):
+                if ev["seq"] <= job.last_seq:
+                    continue
+                if ev["seq"] != job.last_seq + 1:
+                    raise ValueError(f"event {ev['seq']} of {job_id} leaves a gap after "
+                                     f"{job.last_seq}")
+                s.add(EventRow(job_id=job_id, seq=ev["seq"], kind=ev["kind"],
+                               time=ev["time"], data=ev["data"]))
+                _fold(s, job, ev)
+                job.last_seq = ev["seq"]
+            job.updated_at = utcnow()
+            return job
+
+    def next_seq(self, job_id: str) -> int:
+        job = self.get_job(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        return job.last_seq + 1
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def checkpoints(self, job_id: str) -> list[CheckpointRow]:
+        query = (
+            select(CheckpointRow)
+            .where(CheckpointRow.job_id == job_id, CheckpointRow.removed.is_(False))
+            .order_by(CheckpointRow.step)
+        )
+        with self.session() as s:
+            return list(s.scalars(query))
+
+
+def _fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
+    """What one event changes in the job's summary row and the checkpoint table."""
+    data, kind = ev["data"], ev["kind"]
+    when = datetime.fromtimestamp(ev["time"], UTC)
+    if kind == "state":
+        target = check_transition(JobState(job.state), JobState(data["state"]))
+        job.state = target.value
+        if data.get("reason") or target.is_terminal:
+            job.message = data.get("reason")
+        if data.get("world_size"):
+            job.world_size = int(data["world_size"])
+        if target == JobState.RUNNING and job.started_at is None:
+            job.started_at = when
+        if target == JobState.RECOVERING:
+            job.restarts += 1
+        if target.is_terminal:
+            job.finished_at = when
+            job.world_size = 0
+    elif kind == "attempt_started":
+        job.world_size = int(data["world_size"])
+    elif kind == "metrics":
+        job.step = int(data["step"])
+        job.last_loss = data.get("loss")
+        job.samples_per_s = data.get("samples_per_s")
+        job.total_steps = data.get("total_steps", job.total_steps)
+        job.world_size = int(data.get("world_size") or job.world_size)
+    elif kind == "checkpoint_saved":
+        row = s.get(CheckpointRow, (job.id, int(data["step"])))
+        if row is None:
+            row = CheckpointRow(job_id=job.id, step=int(data["step"]))
+            s.add(row)
+        row.path, row.size_bytes = data["path"], int(data["size_bytes"])
+        row.created_at, row.removed = float(data["created_at"]), False
+    elif kind == "checkpoint_removed":
+        row = s.get(CheckpointRow, (job.id, int(data["step"])))
+        if row is not None:
+            row.removed = True
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            # WAL: readers never wait for the event writer; foreign keys: SQLite needs asking.
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
