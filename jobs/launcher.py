@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import capacity
@@ -18,6 +19,8 @@ from jobs.workloads import WORKLOADS
 log = logging.getLogger(__name__)
 
 ACTOR_PREFIX = "etrain-supervisor-"
+# Ray's switch that, when off, makes every node address the loopback one.
+_LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def connect(
@@ -33,6 +36,7 @@ def connect(
     if address:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
         return
+    keep_ray_on_loopback()
     ray.init(
         # "local" always starts a new instance: a bare init would try to join a stale
         # cluster that an earlier crash left recorded in Ray's temp dir.
@@ -44,6 +48,14 @@ def connect(
         include_dashboard=True,
         dashboard_host="127.0.0.1",
     )
+
+
+def keep_ray_on_loopback() -> None:
+    """Make a Ray instance started from this process use loopback addresses only: an
+    embedded instance is for this machine alone (Ray otherwise advertises the host's
+    network address). Child processes inherit the setting."""
+    os.environ[_LOOPBACK_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def disconnect() -> None:

@@ -8,7 +8,7 @@ import sys
 
 import uvicorn
 
-from service.auth import resolve_admin_token
+from service.auth import TOKEN_FILE, resolve_admin_token
 from service.settings import Settings
 
 
@@ -27,10 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     token, generated = resolve_admin_token(settings)
     url = f"http://{settings.host}:{settings.port}"
     print(f"elastic-train on {url}  (API docs: {url}/docs)", flush=True)
-    origin = "generated and stored in " + str(settings.data_dir / "admin-token") if generated \
-        else "from settings" if settings.api_token else "from " + str(
-            settings.data_dir / "admin-token")
-    print(f"admin token ({origin}): {token}", flush=True)
+    if settings.api_token is not None:
+        # A configured token stays out of the logs (on Kubernetes they are widely readable).
+        print("admin token: the one in ETRAIN_API_TOKEN", flush=True)
+    else:
+        where = settings.data_dir / TOKEN_FILE
+        how = "generated, stored in" if generated else "from"
+        print(f"admin token ({how} {where}): {token}", flush=True)
 
     from service.app import create_app
 

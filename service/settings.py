@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -61,7 +62,9 @@ class Settings(BaseSettings):
         le=60,
         description="How often the service collects new events from the job supervisors.",
     )
-    log_level: str = Field("info", description="Log level of the service (debug, info, ...).")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="Log level of the service."
+    )
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -138,6 +138,7 @@ class Store:
         )
         with self.session() as s:
             s.add(job)
+            s.flush()  # the job row must exist before its first event refers to it
             s.add(EventRow(job_id=job.id, seq=1, kind="state", time=now.timestamp(),
                            data={"state": JobState.QUEUED.value, "previous": None,
                                  "reason": None}))

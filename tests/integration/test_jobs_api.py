@@ -1,0 +1,171 @@
+"""The walking skeleton end to end: real uvicorn, real HTTP, real Ray, real SQLite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from ray.util.state import list_actors
+
+from jobs.workloads.image_classification import SmallCNN
+from tests.conftest import LiveServer, make_settings, small_job, wait_for
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    r = client.get(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_state(client: httpx.Client, job_id: str, states: set[str], timeout: float) -> dict:
+    return wait_for(lambda: (j := job_state(client, job_id))["state"] in states and j,
+                    timeout, what=f"{job_id} to reach {states}")
+
+
+def state_history(client: httpx.Client, job_id: str) -> list[str]:
+    events = client.get(f"/v1/jobs/{job_id}/events").json()["items"]
+    return [e["data"]["state"] for e in events if e["kind"] == "state"]
+
+
+def alive_train_workers() -> list[Any]:
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")])
+            if a.class_name == "RayTrainWorker"]
+
+
+def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) -> None:
+    anonymous = server.client(token=None)
+    assert anonymous.get("/healthz").json() == {"status": "ok"}
+    assert anonymous.get("/readyz").json() == {"status": "ready"}
+    paths = anonymous.get("/openapi.json").json()["paths"]
+    routes = [(m.upper(), p) for p, ops in paths.items() for m in ops if p.startswith("/v1")]
+    assert len(routes) == 6
+    assert set(paths) - {p for _, p in routes} == {"/healthz", "/readyz"}
+    for method, path in routes:
+        url = path.replace("{job_id}", "job-x")
+        for client in (anonymous, server.client(token="wrong")):
+            r = client.request(method, url)
+            assert r.status_code == 401, (method, path)
+            assert r.headers["content-type"] == "application/problem+json"
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert r.json()["status"] == 401
+
+
+@pytest.mark.parametrize("patch,field,message", [
+    ({"scaling": {"min_workers": 3, "max_workers": 2}}, "scaling.min_workers",
+     "min_workers (3) must not exceed max_workers (2)"),
+    ({"workload": "video-generation"}, "workload", "unknown workload 'video-generation'"),
+    ({"hyperparameters": {"max_steps": 5, "learning_rate": -1}},
+     "hyperparameters.learning_rate", "Input should be greater than 0"),
+    ({"scaling": {"min_workers": 50, "max_workers": 60}}, "scaling.min_workers",
+     "min_workers is 50 but this cluster can hold at most"),
+    ({"workload": "os:system"}, "workload", "module 'os' is not allowed"),
+])
+def test_a_bad_spec_is_refused_naming_the_field_and_creates_nothing(
+    server: LiveServer, patch: dict, field: str, message: str
+) -> None:
+    client = server.client()
+    body = {**small_job(), **patch}
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    assert problem["status"] == 422 and problem["title"] == "Invalid job spec"
+    assert [e["field"] for e in problem["errors"]] == [field]
+    assert message in problem["errors"][0]["message"]
+    assert problem["detail"].startswith(f"{field}: ")
+    assert client.get("/v1/jobs").json() == {"items": [], "next_cursor": None}
+
+
+def test_malformed_requests_are_problems_not_500s(server: LiveServer) -> None:
+    client = server.client()
+    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
+    assert client.get("/v1/jobs/job-nope").status_code == 404
+    assert client.get("/v1/jobs?state=sleeping").status_code == 422
+    assert client.get("/v1/jobs?cursor=abc").status_code == 400
+    assert client.get("/v1/nothing-here").json()["status"] == 404
+
+
+def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveServer) -> None:
+    client = server.client()
+    r = client.post("/v1/jobs", json=small_job())
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert job["state"] == "queued" and job["name"] == "demo"
+
+    done = wait_state(client, job["id"], TERMINAL, timeout=180)
+    assert done["state"] == "succeeded", done
+    assert done["step"] == 50 and done["total_steps"] == 50
+    assert done["world_size"] == 0 and done["finished_at"] is not None
+    assert state_history(client, job["id"]) == ["queued", "starting", "running", "succeeded"]
+
+    events = client.get(f"/v1/jobs/{job['id']}/events").json()["items"]
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    attempts = [e["data"] for e in events if e["kind"] == "attempt_started"]
+    assert attempts == [{"attempt": 1, "world_size": 2, "checkpoint_step": None}]
+    steps = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
+    assert steps == list(range(1, 51))
+    assert all(e["data"]["world_size"] == 2 for e in events if e["kind"] == "metrics")
+
+    listed = client.get("/v1/jobs", params={"state": "succeeded"}).json()["items"]
+    assert [j["id"] for j in listed] == [job["id"]]
+
+    checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
+    assert [c["step"] for c in checkpoints] == [30, 40, 50]  # keep: 3
+    assert all(c["size_bytes"] > 1000 for c in checkpoints)
+    for c in checkpoints:
+        assert Path(c["path"]).is_dir()
+
+    state = torch.load(Path(checkpoints[-1]["path"]) / "state.pt", weights_only=False)
+    assert state["step"] == 50
+    model = SmallCNN(num_classes=10)
+    model.load_state_dict(state["model"])  # strict: every tensor present and shaped right
+    out = model(torch.zeros(4, 3, 32, 32))
+    assert out.shape == (4, 10)
+
+
+def test_cancel_ends_the_workers(server: LiveServer) -> None:
+    client = server.client()
+    job = client.post("/v1/jobs", json=small_job(max_steps=1_000_000)).json()
+    wait_state(client, job["id"], {"running"}, timeout=180)
+    assert len(alive_train_workers()) == 2
+
+    r = client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "cancelled"
+    assert r.json()["message"] == "cancelled by the user"
+    wait_for(lambda: not alive_train_workers(), timeout=10, what="the workers to end")
+    assert state_history(client, job["id"]) == ["queued", "starting", "running", "cancelled"]
+
+    again = client.post(f"/v1/jobs/{job['id']}/cancel")
+    assert again.status_code == 409 and again.json()["state"] == "cancelled"
+
+
+def test_a_restarted_service_finds_the_running_job(ray_cluster: Any, tmp_path: Path) -> None:
+    settings = make_settings(tmp_path)
+    body = small_job(max_steps=400, report_every_steps=20)
+    with LiveServer(settings) as first:
+        client = first.client()
+        job = client.post("/v1/jobs", json=body).json()
+        running = wait_state(client, job["id"], {"running"}, timeout=180)
+        assert running["world_size"] == 2
+
+    # The API was down while the job trained on: its supervisor kept the events.
+    with LiveServer(make_settings(tmp_path)) as second:
+        client = second.client()
+        seen = job_state(client, job["id"])
+        assert seen["state"] in {"running", "succeeded"}
+        done = wait_state(client, job["id"], TERMINAL, timeout=180)
+        assert done["state"] == "succeeded" and done["step"] == 400
+        events = client.get(f"/v1/jobs/{job['id']}/events").json()["items"]
+        assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+        assert state_history(client, job["id"]) == ["queued", "starting", "running",
+                                                     "succeeded"]
+        metric_steps = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
+        assert metric_steps == [1, *range(20, 401, 20)]

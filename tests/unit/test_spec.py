@@ -1,0 +1,92 @@
+import copy
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from jobs.spec import JobSpec
+from tests.conftest import small_job
+
+
+def errors_of(patch: dict[str, Any]) -> list[tuple[str, str]]:
+    data = copy.deepcopy(small_job())
+    for key, value in patch.items():
+        target = data
+        *path, last = key.split(".")
+        for p in path:
+            target = target[p]
+        if value is ...:
+            del target[last]
+        else:
+            target[last] = value
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate(data)
+    return [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in err.value.errors()]
+
+
+def test_the_readme_example_is_valid_and_normalised() -> None:
+    spec = JobSpec.model_validate(small_job())
+    assert spec.scaling.backend == "gloo"
+    assert spec.hyperparameters["model"] == "small_cnn"
+    assert spec.hyperparameters["momentum"] == 0.9  # defaults filled in
+    assert spec.failure.max_restarts == 3
+    assert spec.scaling.worker_resources() == {"CPU": 1.0}
+
+
+def test_gpus_mean_nccl() -> None:
+    data = small_job()
+    data["scaling"]["gpus_per_worker"] = 1
+    spec = JobSpec.model_validate(data)
+    assert spec.scaling.backend == "nccl"
+    assert spec.scaling.worker_resources() == {"CPU": 1.0, "GPU": 1.0}
+
+
+@pytest.mark.parametrize(
+    "patch,expected",
+    [
+        ({"scaling.min_workers": 3}, [("scaling.min_workers",
+                                       "min_workers (3) must not exceed max_workers (2)")]),
+        ({"workload": "nope"}, [("workload", "unknown workload 'nope': use one of "
+                                 "image-classification or a 'package.module:function' "
+                                 "entrypoint")]),
+        ({"workload": "os:system; rm -rf /"}, [("workload", "unknown workload "
+                                                "'os:system; rm -rf /': use one of "
+                                                "image-classification or a "
+                                                "'package.module:function' entrypoint")]),
+        ({"hyperparameters.learning_rate": -0.1},
+         [("hyperparameters.learning_rate", "Input should be greater than 0")]),
+        ({"hyperparameters.max_steps": ...},
+         [("hyperparameters.max_steps",
+           "give epochs or max_steps (or both: the run stops at the first)")]),
+        ({"hyperparameters.dataset": "imagefolder"},
+         [("hyperparameters.data_path", "data_path is required for dataset 'imagefolder'")]),
+        ({"hyperparameters.model": "gpt5"},
+         [("hyperparameters.model", "Input should be 'resnet18' or 'small_cnn'")]),
+        ({"hyperparameters.global_batch_size": 1},
+         [("hyperparameters.global_batch_size",
+           "global_batch_size (1) must be at least max_workers (2) so that every worker "
+           "gets a sample")]),
+        ({"hyperparameters.lr": 0.1}, [("hyperparameters.lr", "Extra inputs are not permitted")]),
+        ({"scaling.min_workers": 0},
+         [("scaling.min_workers", "Input should be greater than or equal to 1")]),
+        ({"scaling.gpus_per_worker": -1},
+         [("scaling.gpus_per_worker", "Input should be greater than or equal to 0")]),
+        ({"checkpoint.every_steps": 0},
+         [("checkpoint.every_steps", "Input should be greater than or equal to 1")]),
+        ({"failure": {"max_restarts": -1}},
+         [("failure.max_restarts", "Input should be greater than or equal to 0")]),
+        ({"name": ""}, [("name", "String should have at least 1 character")]),
+        ({"priority": 1}, [("priority", "Extra inputs are not permitted")]),
+    ],
+)
+def test_each_rejection_names_its_field(patch: dict[str, Any], expected: list) -> None:
+    assert errors_of(patch) == expected
+
+
+def test_a_custom_entrypoint_keeps_free_hyperparameters() -> None:
+    data = small_job()
+    data["workload"] = "mypackage.train:loop"
+    data["hyperparameters"] = {"anything": [1, 2]}
+    spec = JobSpec.model_validate(data)
+    assert spec.is_custom
+    assert spec.hyperparameters == {"anything": [1, 2]}
