@@ -227,7 +227,7 @@ class Supervisor:
         head = capacity.head_node_id()
         if head:
             # The controller lives beside its runner: keep both off nodes that may vanish.
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
         self.runner = AttemptRunner.options(**options).remote()  # type: ignore[attr-defined]
         try:
             return await self.runner.fit.remote(asdict(plan), size, config)

@@ -105,7 +105,7 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str,
     }
     head = capacity.head_node_id()
     if head:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     handle = Supervisor.options(**options).remote(plan, first_seq)  # type: ignore[attr-defined]
     handle.start.remote()
     return handle
