@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import ray
 from ray._private import state as ray_state
@@ -12,21 +12,28 @@ from elastic.policy import workers_that_fit
 HEAD_RESOURCE = "node:__internal_head__"
 
 
-def free_per_node() -> list[dict[str, float]]:
-    return list(ray_state.available_resources_per_node().values())
+def free_per_node() -> dict[str, dict[str, float]]:
+    return dict(ray_state.available_resources_per_node())
 
 
-def total_per_node() -> list[dict[str, float]]:
-    return list(ray_state.total_resources_per_node().values())
+def total_per_node() -> dict[str, dict[str, float]]:
+    return dict(ray_state.total_resources_per_node())
 
 
-def workers_free_now(per_worker: Mapping[str, float]) -> int:
-    return workers_that_fit(free_per_node(), per_worker)
+def workers_free_now(per_worker: Mapping[str, float], exclude: Collection[str] = ()) -> int:
+    """Workers that fit in what is free now, leaving out ``exclude`` (nodes suspected dead
+    that Ray's membership has not caught up with yet)."""
+    free = [r for node, r in free_per_node().items() if node not in exclude]
+    return workers_that_fit(free, per_worker)
 
 
 def workers_ever(per_worker: Mapping[str, float]) -> int:
     """How many such workers the cluster could hold if it ran nothing else."""
-    return workers_that_fit(total_per_node(), per_worker)
+    return workers_that_fit(total_per_node().values(), per_worker)
+
+
+def alive_nodes() -> set[str]:
+    return {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
 
 
 def head_node_id() -> str | None:

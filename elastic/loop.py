@@ -1,15 +1,20 @@
 """The supervised training loop every built-in workload runs inside a Ray Train worker.
 
 A workload supplies its model, dataset and loss; this loop supplies what makes the job
-elastic and restartable: the resize-invariant data order, the global-batch arithmetic,
-checkpoints at fixed step boundaries, restore, and metrics for the supervisor.
+elastic and the training the same whatever the world size: the resumable data order, the
+global batch kept whole by gradient accumulation, checkpoints at fixed step boundaries,
+restore, pausing at a checkpoint so the supervisor can grow the job, and metrics.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray.train.torch
@@ -29,6 +34,9 @@ class LoopSettings:
     max_steps: int | None
     epochs: int | None
     report_every_steps: int
+    dtype: torch.dtype = torch.float32
+    # Write the indices each rank trains on, per step, under the checkpoint dir (audits).
+    record_samples: bool = False
 
 
 @dataclass
@@ -49,6 +57,11 @@ def total_steps(settings: LoopSettings, dataset_size: int) -> int:
     return min(limits)
 
 
+def micro_batches(share: int, micro_batch_size: int) -> list[tuple[int, int]]:
+    """[start, end) slices of a rank's share, each at most ``micro_batch_size``."""
+    return [(i, min(i + micro_batch_size, share)) for i in range(0, share, micro_batch_size)]
+
+
 class _StepBatches(torch.utils.data.Sampler[list[int]]):
     """Feeds the DataLoader this rank's indices for each optimizer step from a position."""
 
@@ -59,20 +72,36 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
         self.settings = settings
         self.world_size = world_size
         self.rank = rank
-        self.plan: list[tuple[SamplerPosition, int]] = []  # (position, global batch) per step
+        self.plan: list[tuple[SamplerPosition, list[int], int]] = []
 
     def __iter__(self):
         for position, indices, batch in rank_indices(
             self.position, self.dataset_size, self.settings.global_batch_size,
             self.settings.seed, self.world_size, self.rank,
         ):
-            self.plan.append((position, batch))
+            self.plan.append((position, indices, batch))
             yield indices
+
+
+class _SampleLog:
+    def __init__(self, ctx: WorkerContext, enabled: bool) -> None:
+        self.file = None
+        if enabled:
+            folder = Path(ctx.checkpoints.root) / "samples"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.file = (folder / f"attempt-{ctx.attempt}-rank-{ctx.rank}.jsonl").open("a")
+            self.attempt = ctx.attempt
+
+    def write(self, step: int, epoch: int, indices: list[int]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"a": self.attempt, "s": step, "e": epoch,
+                                        "i": indices}) + "\n")
+            self.file.flush()
 
 
 def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) -> None:
     ctx = WorkerContext.from_config(config)
-    model = parts.model
+    model = parts.model.to(settings.dtype)
     optimizer = parts.make_optimizer(list(model.parameters()))
     step = 0
     position = SamplerPosition()
@@ -82,10 +111,11 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
         optimizer.load_state_dict(restored["optimizer"])
         step = int(restored["step"])
         position = position_from_dict(restored["sampler"])
-        if ctx.rank == 0:
-            ctx.emit("checkpoint_restored", {"step": step})
     model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
+    # The micro-batch is a worker's share at full size: fewer workers accumulate more of
+    # them, so memory per step stays put and one optimizer step still sees the global batch.
+    micro = math.ceil(settings.global_batch_size / ctx.max_workers)
 
     dataset_size = len(parts.dataset)  # type: ignore[arg-type]
     last_step = total_steps(settings, dataset_size)
@@ -94,34 +124,43 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
         DataLoader(parts.dataset, batch_sampler=batches, num_workers=0),
         add_dist_sampler=False,
     )
+    samples = _SampleLog(ctx, settings.record_samples)
     first_step = step + 1
     window_start, window_samples = time.perf_counter(), 0
     batch_iter = iter(loader)
+    model.train()
     while step < last_step:
         inputs, targets = next(batch_iter)
-        position, global_batch = batches.plan.pop(0)
-        model.train()
+        position, indices, global_batch = batches.plan.pop(0)
+        inputs = inputs.to(settings.dtype)
         optimizer.zero_grad(set_to_none=True)
-        if len(targets):
-            outputs = model(inputs)
-            losses = parts.loss_per_sample(outputs, targets)
-            # DDP averages gradients over ranks; scaling by world/global makes the result
-            # the mean over the global batch whatever the world size and however it splits.
-            loss = losses.sum() * (ctx.world_size / global_batch)
-            correct = (outputs.argmax(dim=1) == targets).sum()
-            loss_sum = losses.detach().sum()
-        else:  # a short last batch left this rank nothing: join the all-reduce with zeros
-            loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
-            correct = torch.zeros((), device=device)
-            loss_sum = torch.zeros((), device=device)
-        loss.backward()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+        correct = torch.zeros((), device=device, dtype=torch.float64)
+        slices = micro_batches(len(targets), micro) or [(0, 0)]
+        for n, (a, b) in enumerate(slices):
+            # DDP all-reduces on the last micro-batch only; the others just accumulate.
+            sync = n == len(slices) - 1
+            no_sync = getattr(model, "no_sync", None)
+            with contextlib.nullcontext() if sync or no_sync is None else no_sync():
+                if b > a:
+                    outputs = model(inputs[a:b])
+                    losses = parts.loss_per_sample(outputs, targets[a:b])
+                    # DDP averages over ranks; world/global makes the sum the exact mean over
+                    # the global batch whatever the world size and however it is split.
+                    loss = losses.sum() * (ctx.world_size / global_batch)
+                    correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
+                    loss_sum += losses.detach().sum()
+                else:  # a short last batch left this rank nothing: join with zeros
+                    loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
+                loss.backward()
         optimizer.step()
         step += 1
+        samples.write(step, position.epoch, indices)
         position = advance(position, dataset_size, settings.global_batch_size)
         window_samples += global_batch
 
         if step in (first_step, last_step) or step % settings.report_every_steps == 0:
-            totals = torch.stack([loss_sum.float(), correct.float()]).to(device)
+            totals = torch.stack([loss_sum, correct]).to(device)
             if ctx.world_size > 1:
                 dist.all_reduce(totals)
             if ctx.rank == 0:
@@ -138,11 +177,20 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
                 })
             window_start, window_samples = time.perf_counter(), 0
 
-        if ctx.rank == 0 and (step % ctx.every_steps == 0 or step == last_step):
-            unwrapped: nn.Module = getattr(model, "module", model)
-            ctx.save(step, {
-                "model": unwrapped.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "step": step,
-                "sampler": position_to_dict(position),
-            })
+        if step % ctx.every_steps == 0 or step == last_step:
+            pause = False
+            if ctx.rank == 0:
+                unwrapped: nn.Module = getattr(model, "module", model)
+                ctx.save(step, {
+                    "model": unwrapped.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step,
+                    "sampler": position_to_dict(position),
+                })
+                pause = step < last_step and ctx.should_pause(step)
+            if ctx.world_size > 1 and step < last_step:
+                flag = torch.tensor([1.0 if pause else 0.0], device=device)
+                dist.all_reduce(flag)
+                pause = bool(flag.item() > 0)
+            if pause:
+                return  # the supervisor restarts the job bigger from this checkpoint

@@ -24,3 +24,14 @@ def choose_world_size(min_workers: int, max_workers: int, fitting: int) -> int |
     if fitting < min_workers:
         return None
     return min(max_workers, fitting)
+
+
+def grow_target(world_size: int, max_workers: int, free_fit: int) -> int | None:
+    """The size worth a checkpoint-and-restart to grow to, or None. ``free_fit`` counts
+    workers that fit in what is free beside the job's own."""
+    target = min(max_workers, world_size + free_fit)
+    return target if target > world_size else None
+
+
+def below_min_for_too_long(waited_s: float, grace_s: float) -> bool:
+    return waited_s > grace_s

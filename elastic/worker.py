@@ -33,6 +33,7 @@ class WorkerContext:
     keep: int
     supervisor: Any  # the supervisor's actor handle, or None when run without one
     resume_path: str | None  # the verified checkpoint this attempt starts from
+    max_workers: int
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> WorkerContext:
@@ -41,7 +42,7 @@ class WorkerContext:
         supervisor = None
         if meta.get("supervisor"):
             supervisor = ray.get_actor(meta["supervisor"], namespace=meta["namespace"])
-        return cls(
+        worker = cls(
             rank=ctx.get_world_rank(),
             world_size=ctx.get_world_size(),
             attempt=int(meta["attempt"]),
@@ -50,12 +51,24 @@ class WorkerContext:
             keep=int(meta["keep"]),
             supervisor=supervisor,
             resume_path=meta.get("resume_path"),
+            max_workers=int(meta["max_workers"]),
         )
+        if supervisor is not None:
+            supervisor.register_worker.remote(
+                int(meta["attempt"]), ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
+            )
+        return worker
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         """Tell the supervisor (fire and forget: training never waits on it)."""
         if self.supervisor is not None:
             self.supervisor.record.remote(kind, {"attempt": self.attempt, **data})
+
+    def should_pause(self, step: int) -> bool:
+        """Rank 0, after a checkpoint: does the supervisor want to restart bigger from here?"""
+        if self.supervisor is None:
+            return False
+        return bool(ray.get(self.supervisor.should_pause.remote(self.attempt, step), timeout=30))
 
     # -- checkpoints -------------------------------------------------------------------
 

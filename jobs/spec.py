@@ -58,6 +58,13 @@ class FailureSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_restarts: int = Field(3, ge=0, le=10_000, description="Restarts before the job fails.")
+    min_workers_grace_s: float = Field(
+        300.0,
+        ge=0,
+        le=7 * 24 * 3600,
+        description="How long a job that lost workers waits for min_workers to fit again "
+        "before it fails.",
+    )
 
 
 class JobSpec(BaseModel):

@@ -41,6 +41,14 @@ class ImageClassificationHyperparameters(BaseModel):
     synthetic_samples: int = Field(
         2048, ge=1, le=10_000_000, description="Size of the synthetic dataset."
     )
+    dtype: Literal["float32", "float64"] = Field(
+        "float32", description="Parameter and input precision (float64 for exactness checks)."
+    )
+    record_samples: bool = Field(
+        False,
+        description="Write the sample indices each worker trains on, per step, beside the "
+        "checkpoints (an audit that no sample is skipped or repeated).",
+    )
     report_every_steps: int = Field(
         1, ge=1, le=100_000, description="How often rank 0 reports metrics."
     )
