@@ -72,9 +72,13 @@ class Recovery:
 
     kind: str  # "loss", "failure" or "grow"
     from_world: int
-    checkpoint_step: int | None
-    steps_redone: int
+    reached_step: int  # the furthest step the ended attempt reported
+    checkpoint_step: int | None  # the newest checkpoint then; the one restored, once known
     since: float  # when the loss was seen, or the pause began
+
+    @property
+    def steps_redone(self) -> int:
+        return max(0, self.reached_step - (self.checkpoint_step or 0))
 
 
 def _last_line(text: str) -> str:
@@ -233,7 +237,8 @@ class Supervisor:
             if self.cancelled:
                 return
             if outcome.error is None and self.paused_at is not None:
-                self.recovery = Recovery("grow", size, self.paused_at, 0, time.time())
+                self.recovery = Recovery("grow", size, self.paused_at, self.paused_at,
+                                         time.time())
                 await self._wait_for_release(self.resize_to or size)
                 continue
             if outcome.error is None:
@@ -243,9 +248,8 @@ class Supervisor:
             lost = self._lost_nodes(outcome.dead_ranks)
             for node in lost:
                 self.suspects[node] = seen
-            redone = max(0, self.last_step - (self.checkpoint_step or 0))
-            self.recovery = Recovery("loss" if lost else "failure", size, self.checkpoint_step,
-                                     redone, seen)
+            self.recovery = Recovery("loss" if lost else "failure", size, self.last_step,
+                                     self.checkpoint_step, seen)
             if lost:
                 self._emit("worker_lost", {
                     "kind": "worker_lost", **self._recovery_fields(None), "nodes": sorted(lost),
@@ -262,6 +266,8 @@ class Supervisor:
             await self._wait_for_release(size - len(lost))
 
     def _begin_attempt(self, size: int, checkpoint: CheckpointInfo | None) -> None:
+        if self.recovery is not None:
+            self.recovery.checkpoint_step = checkpoint.step if checkpoint else None
         self.attempt += 1
         self.world_size = size
         self.worker_nodes = {}

@@ -16,26 +16,55 @@ NAMESPACE = "elastic-train-tests"
 TOKEN = "test-token-0123456789"
 
 
+POOL_SIZE = 3
+
+
+class ClusterPool:
+    """A head that trains nothing (it holds the supervisors) and a pool of one-CPU worker
+    nodes that elastic tests may kill and add back."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.pool: list[Any] = []
+
+    def add_node(self) -> Any:
+        node = self.cluster.add_node(num_cpus=1)
+        self.pool.append(node)
+        return node
+
+    def kill_node(self, node: Any) -> None:
+        """A real node failure: the raylet and its workers are killed, not shut down."""
+        self.pool.remove(node)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def restore_pool(self) -> None:
+        while len(self.pool) < POOL_SIZE:
+            self.add_node()
+        self.cluster.wait_for_nodes()
+
+
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[Any]:
-    """A local multi-node-capable Ray cluster, started once: Ray is slow to start on 2 cores."""
+def ray_cluster() -> Iterator[ClusterPool]:
+    """One real multi-node Ray cluster for the whole session: Ray is slow to start on 2 cores."""
     import ray
     from ray.cluster_utils import Cluster
 
-    from jobs.launcher import keep_ray_on_loopback
+    from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
 
     keep_ray_on_loopback()  # tests talk to no address but loopback
-
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
-            "num_cpus": 4,
+            "num_cpus": 0,
             "include_dashboard": True,
             "dashboard_host": "127.0.0.1",
+            "_system_config": FAST_FAILURE_DETECTION,
         },
     )
+    test_cluster = ClusterPool(cluster)
+    test_cluster.restore_pool()
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    yield cluster
+    yield test_cluster
     ray.shutdown()
     cluster.shutdown()
 

@@ -62,7 +62,7 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
     ({"hyperparameters": {"max_steps": 5, "learning_rate": -1}},
      "hyperparameters.learning_rate", "Input should be greater than 0"),
     ({"scaling": {"min_workers": 50, "max_workers": 60}}, "scaling.min_workers",
-     "min_workers is 50 but this cluster can hold at most"),
+     "min_workers is 50 but this cluster can hold at most 3 workers of {'CPU': 1.0}"),
     ({"workload": "os:system"}, "workload", "module 'os' is not allowed"),
 ])
 def test_a_bad_spec_is_refused_naming_the_field_and_creates_nothing(

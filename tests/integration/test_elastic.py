@@ -1,0 +1,185 @@
+"""Elastic recovery on a real multi-node Ray cluster: nodes really die (their raylets are
+killed) and come back, while jobs submitted over HTTP train on."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import LiveServer, ClusterPool, make_settings, wait_for
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+DATASET = 1000
+BATCH = 63  # splits unevenly over 2 workers: shares of 32 and 31
+
+
+@pytest.fixture
+def pool(ray_cluster: ClusterPool) -> Iterator[ClusterPool]:
+    ray_cluster.restore_pool()
+    yield ray_cluster
+    ray_cluster.restore_pool()
+
+
+@pytest.fixture
+def api(pool: ClusterPool, tmp_path: Path) -> Iterator[httpx.Client]:
+    with LiveServer(make_settings(tmp_path)) as live:
+        yield live.client()
+
+
+def elastic_job(max_steps: int, every: int = 10, min_workers: int = 1,
+                grace_s: float = 300) -> dict[str, Any]:
+    return {
+        "name": "elastic",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn", "dataset": "synthetic", "synthetic_samples": DATASET,
+            "max_steps": max_steps, "global_batch_size": BATCH, "learning_rate": 0.05,
+            "seed": 7, "dtype": "float64", "record_samples": True,
+        },
+        "scaling": {"min_workers": min_workers, "max_workers": 3, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": every, "keep": 3},
+        "failure": {"max_restarts": 3, "min_workers_grace_s": grace_s},
+    }
+
+
+def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    r = api.get(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events(api: httpx.Client, job_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+    items = api.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
+    return [e for e in items if kind is None or e["kind"] == kind]
+
+
+def states(api: httpx.Client, job_id: str) -> list[str]:
+    return [e["data"]["state"] for e in events(api, job_id, "state")]
+
+
+def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: str) -> dict:
+    def check() -> dict | None:
+        job = get(api, job_id)
+        assert job["state"] not in TERMINAL or test(job), job
+        return job if test(job) else None
+    return wait_for(check, timeout, interval=0.1, what=what)
+
+
+def finish(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    return wait_for(lambda: (j := get(api, job_id))["state"] in TERMINAL and j, 300,
+                    what="the job to end")
+
+
+def final_parameters(api: httpx.Client, job_id: str) -> dict[str, torch.Tensor]:
+    newest = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"][-1]
+    return torch.load(Path(newest["path"]) / "state.pt", weights_only=False)["model"]
+
+
+def samples_that_count(checkpoint_root: Path) -> Counter[tuple[int, int]]:
+    """(epoch, index) -> how often it went into the model: steps redone after a restore
+    replace the ones the lost attempt had run."""
+    by_step: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for f in (checkpoint_root / "samples").iterdir():
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            by_step.setdefault(r["s"], {}).setdefault(r["a"], []).extend(
+                (r["e"], i) for i in r["i"])
+    counted: Counter[tuple[int, int]] = Counter()
+    for attempts in by_step.values():
+        counted.update(attempts[max(attempts)])
+    return counted
+
+
+def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
+    api: httpx.Client, pool: ClusterPool, tmp_path: Path
+) -> None:
+    steps = 240
+    baseline = api.post("/v1/jobs", json=elastic_job(steps)).json()
+    assert finish(api, baseline["id"])["state"] == "succeeded"
+    assert [e["data"]["world_size"] for e in events(api, baseline["id"], "attempt_started")] \
+        == [3]
+
+    job = api.post("/v1/jobs", json=elastic_job(steps)).json()
+    wait_until(api, job["id"], lambda j: j["step"] >= 40 and j["world_size"] == 3, 180,
+               "training at 3 workers")
+    pool.kill_node(pool.pool[1])
+    wait_until(api, job["id"], lambda j: j["world_size"] == 2 and j["state"] == "running"
+               and j["step"] >= 100, 120, "training at 2 workers")
+    pool.add_node()
+    done = finish(api, job["id"])
+
+    assert done["state"] == "succeeded" and done["step"] == steps
+    assert states(api, job["id"]) == [
+        "queued", "starting", "running", "recovering", "running", "succeeded"]
+    assert [e["data"]["world_size"] for e in events(api, job["id"], "attempt_started")] \
+        == [3, 2, 3]
+
+    (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
+    shrink, grow = [e["data"] for e in events(api, job["id"], "resized")]
+    assert lost["from_world"] == 3 and len(lost["nodes"]) == 1
+    assert (shrink["from_world"], shrink["to_world"]) == (3, 2)
+    assert restored == shrink | {"kind": "restored"}
+    assert shrink["checkpoint_step"] % 10 == 0 and 0 <= shrink["steps_redone"] <= 10
+    assert 0 < shrink["recovery_seconds"] < 60  # stock Ray Train takes ~80 s here
+    assert (grow["from_world"], grow["to_world"], grow["steps_redone"]) == (3 - 1, 3, 0)
+    assert grow["checkpoint_step"] % 10 == 0
+
+    # Every sample of every epoch went into the model exactly once.
+    counted = samples_that_count(tmp_path / "checkpoints" / job["id"])
+    assert set(counted.values()) == {1}
+    assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+    full_epochs = steps // 16  # 15 steps of 63 and one of 55 make an epoch of 1000
+    for epoch in range(full_epochs):
+        assert {i for e, i in counted if e == epoch} == set(range(DATASET))
+
+    # The proof that elasticity is invisible to the model.
+    ours, reference = final_parameters(api, job["id"]), final_parameters(api, baseline["id"])
+    assert ours.keys() == reference.keys()
+    for name, ref in reference.items():
+        rel = (ours[name] - ref).norm() / ref.norm()
+        assert rel <= 1e-6, (name, float(rel))
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(
+    api: httpx.Client, pool: ClusterPool, tmp_path: Path
+) -> None:
+    job = api.post("/v1/jobs", json=elastic_job(400, every=50)).json()
+    root = tmp_path / "checkpoints" / job["id"]
+    wait_until(api, job["id"], lambda j: j["step"] >= 105 and j["world_size"] == 3, 180,
+               "two checkpoints")
+    newest = sorted(root.glob("step_*"))[-1]
+    (newest / "state.pt").write_bytes(b"\0" * (newest / "state.pt").stat().st_size)
+    pool.kill_node(pool.pool[0])
+    done = finish(api, job["id"])
+
+    assert done["state"] == "succeeded" and done["step"] == 400
+    corrupt = [e["data"] for e in events(api, job["id"], "checkpoint_corrupt")]
+    bad_step = int(newest.name.split("_")[1])
+    assert [(c["step"], c["reason"]) for c in corrupt] == [
+        (bad_step, f"{newest.name}: state.pt fails its checksum")]
+    (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
+    assert restored["checkpoint_step"] == bad_step - 50
+    assert set(samples_that_count(root).values()) == {1}
+
+
+def test_below_min_workers_the_job_waits_then_fails(
+    api: httpx.Client, pool: ClusterPool
+) -> None:
+    job = api.post("/v1/jobs", json=elastic_job(100_000, min_workers=3, grace_s=3)).json()
+    wait_until(api, job["id"], lambda j: j["state"] == "running", 180, "running")
+    pool.kill_node(pool.pool[2])
+    wait_until(api, job["id"], lambda j: j["state"] == "recovering", 30, "recovering")
+    done = finish(api, job["id"])
+    assert done["state"] == "failed"
+    assert done["message"] == ("only 2 workers of {'CPU': 1.0} fit, below min_workers (3), "
+                               "for longer than the 3 s grace period")
+    assert states(api, job["id"]) == ["queued", "starting", "running", "recovering", "failed"]
+    assert [e["data"]["from_world"] for e in events(api, job["id"], "worker_lost")] == [3]
