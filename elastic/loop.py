@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from elastic.sampling import SamplerPosition, advance, rank_indices, steps_per_epoch
+from elastic.schedule import lr_factor
 from elastic.worker import WorkerContext, position_from_dict, position_to_dict
 
 
@@ -34,6 +35,8 @@ class LoopSettings:
     max_steps: int | None
     epochs: int | None
     report_every_steps: int
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
     dtype: torch.dtype = torch.float32
     # Write the indices each rank trains on, per step, under the checkpoint dir (audits).
     record_samples: bool = False
@@ -103,12 +106,19 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
     ctx = WorkerContext.from_config(config)
     model = parts.model.to(settings.dtype)
     optimizer = parts.make_optimizer(list(model.parameters()))
+    dataset_size = len(parts.dataset)  # type: ignore[arg-type]
+    last_step = total_steps(settings, dataset_size)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(s, last_step, settings.lr_schedule, settings.warmup_steps),
+    )
     step = 0
     position = SamplerPosition()
     restored = ctx.restore()
     if restored is not None:
         model.load_state_dict(restored["model"])
         optimizer.load_state_dict(restored["optimizer"])
+        scheduler.load_state_dict(restored["scheduler"])
         step = int(restored["step"])
         position = position_from_dict(restored["sampler"])
     model = ray.train.torch.prepare_model(model)
@@ -117,8 +127,6 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
     # them, so memory per step stays put and one optimizer step still sees the global batch.
     micro = math.ceil(settings.global_batch_size / ctx.max_workers)
 
-    dataset_size = len(parts.dataset)  # type: ignore[arg-type]
-    last_step = total_steps(settings, dataset_size)
     batches = _StepBatches(position, dataset_size, settings, ctx.world_size, ctx.rank)
     loader = ray.train.torch.prepare_data_loader(
         DataLoader(parts.dataset, batch_sampler=batches, num_workers=0),
@@ -154,6 +162,7 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
                     loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
                 loss.backward()
         optimizer.step()
+        scheduler.step()
         step += 1
         samples.write(step, position.epoch, indices)
         position = advance(position, dataset_size, settings.global_batch_size)
@@ -171,7 +180,7 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
                     "loss": float(totals[0]) / global_batch,
                     "accuracy": float(totals[1]) / global_batch,
                     "samples_per_s": window_samples / elapsed if elapsed > 0 else None,
-                    "learning_rate": optimizer.param_groups[0]["lr"],
+                    "learning_rate": scheduler.get_last_lr()[0],
                     "world_size": ctx.world_size,
                     "total_steps": last_step,
                 })
@@ -184,6 +193,7 @@ def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) ->
                 ctx.save(step, {
                     "model": unwrapped.state_dict(),
                     "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
                     "step": step,
                     "sampler": position_to_dict(position),
                 })

@@ -93,7 +93,10 @@ def outcome_of(error: BaseException) -> AttemptOutcome:
     dead = sorted(r for r, e in failures.items() if isinstance(e, ray.exceptions.RayActorError))
     if failures:
         rank, exc = sorted(failures.items())[0]
-        text = f"rank {rank}: {_last_line(str(exc)) or type(exc).__name__}"
+        line = _last_line(str(exc))
+        if not isinstance(exc, ray.exceptions.RayError):  # Ray's own text names the type
+            line = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+        text = f"rank {rank}: {line}"
     else:
         text = _last_line(str(error)) or type(error).__name__
     return AttemptOutcome(text[:1000], dead)

@@ -82,6 +82,8 @@ def train_loop(config: dict[str, Any]) -> None:
             max_steps=hp.max_steps,
             epochs=hp.epochs,
             report_every_steps=hp.report_every_steps,
+            lr_schedule=hp.lr_schedule,
+            warmup_steps=hp.warmup_steps,
             dtype=getattr(torch, hp.dtype),
             record_samples=hp.record_samples,
         ),

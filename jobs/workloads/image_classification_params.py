@@ -33,6 +33,10 @@ class ImageClassificationHyperparameters(BaseModel):
         64, ge=1, le=1_048_576, description="Samples per optimizer step, across all workers."
     )
     learning_rate: float = Field(0.1, gt=0, le=100)
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="Indexed by optimizer step, so resizes leave it unchanged."
+    )
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear warm-up steps.")
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0, le=1)
     seed: int = Field(0, ge=0, le=2**32 - 1)

@@ -42,6 +42,7 @@ def elastic_job(max_steps: int, every: int = 10, min_workers: int = 1,
             "model": "small_cnn", "dataset": "synthetic", "synthetic_samples": DATASET,
             "max_steps": max_steps, "global_batch_size": BATCH, "learning_rate": 0.05,
             "seed": 7, "dtype": "float64", "record_samples": True,
+            "lr_schedule": "cosine", "warmup_steps": 20,
         },
         "scaling": {"min_workers": min_workers, "max_workers": 3, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": every, "keep": 3},
@@ -183,3 +184,35 @@ def test_below_min_workers_the_job_waits_then_fails(
                                "for longer than the 3 s grace period")
     assert states(api, job["id"]) == ["queued", "starting", "running", "recovering", "failed"]
     assert [e["data"]["from_world"] for e in events(api, job["id"], "worker_lost")] == [3]
+
+
+def test_a_job_waits_queued_while_even_min_workers_do_not_fit(
+    api: httpx.Client, pool: ClusterPool
+) -> None:
+    hog = api.post("/v1/jobs", json=elastic_job(100_000, min_workers=3)).json()
+    wait_until(api, hog["id"], lambda j: j["state"] == "running", 180, "the first job running")
+    waiting = api.post("/v1/jobs", json=elastic_job(100_000, min_workers=2)).json()
+    for _ in range(10):
+        assert get(api, waiting["id"])["state"] == "queued"
+        wait_for(lambda: True, 0.3)
+    assert api.post(f"/v1/jobs/{hog['id']}/cancel").json()["state"] == "cancelled"
+    started = wait_until(api, waiting["id"], lambda j: j["state"] == "running", 180,
+                         "the second job running")
+    assert started["world_size"] == 3  # all of the cluster, once it is free
+    api.post(f"/v1/jobs/{waiting['id']}/cancel")
+    assert states(api, waiting["id"]) == ["queued", "starting", "running", "cancelled"]
+
+
+def test_a_job_that_keeps_failing_stops_after_max_restarts(
+    api: httpx.Client, pool: ClusterPool, tmp_path: Path
+) -> None:
+    spec = elastic_job(100)
+    spec["hyperparameters"] |= {"dataset": "imagefolder", "data_path": str(tmp_path / "nope")}
+    spec["failure"]["max_restarts"] = 1
+    job = api.post("/v1/jobs", json=spec).json()
+    done = finish(api, job["id"])
+    assert done["state"] == "failed" and done["restarts"] == 1
+    assert done["message"].startswith("rank 0: FileNotFoundError: ")
+    assert str(tmp_path / "nope") in done["message"]
+    assert done["message"].endswith("(gave up after 1 restart; max_restarts is 1)")
+    assert states(api, job["id"]) == ["queued", "starting", "recovering", "failed"]
