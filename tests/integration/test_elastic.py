@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import LiveServer, ClusterPool, make_settings, wait_for
+from tests.conftest import ClusterPool, LiveServer, make_settings, wait_for
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 DATASET = 1000
