@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
+import ray.train
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import capacity
 from elastic.checkpoints import CheckpointDir, CheckpointInfo
 from elastic.policy import below_min_for_too_long, choose_world_size, grow_target
+from elastic.worker_logs import forward_output
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,22 @@ def resolve(entrypoint: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
+def run_train_loop(config: dict[str, Any]) -> None:
+    """What every Ray Train worker runs: the job's training loop, its output forwarded to
+    the job's log."""
+    meta = config["_elastic"]
+    train_loop = resolve(meta["train_loop"])
+    supervisor = ray.get_actor(meta["supervisor"], namespace=meta["namespace"])
+    rank = ray.train.get_context().get_world_rank()
+
+    def send(lines: list[list[Any]]) -> None:
+        supervisor.record.remote("log", {"attempt": meta["attempt"], "rank": rank,
+                                         "lines": lines})
+
+    with forward_output(send):
+        train_loop(config)
+
+
 @ray.remote(num_cpus=0)
 class AttemptRunner:
     """Runs one Ray Train ``fit()``. Killing this actor ends the attempt: the Train controller
@@ -118,7 +136,7 @@ class AttemptRunner:
 
         resources = plan["resources_per_worker"]
         trainer = TorchTrainer(
-            resolve(plan["train_loop"]),
+            run_train_loop,
             train_loop_config=config,
             torch_config=TorchConfig(
                 backend=plan["backend"], timeout_s=plan["collective_timeout_s"]
@@ -245,6 +263,9 @@ class Supervisor:
                 await self._wait_for_release(self.resize_to or size)
                 continue
             if outcome.error is None:
+                if self.state in ("starting", "recovering"):
+                    # A custom loop may finish without ever reporting a step: it did run.
+                    self._set_state("running", world_size=size)
                 self._set_state("succeeded", step=self.last_step)
                 return
             seen = self.loss_seen_at or time.time()
@@ -341,6 +362,7 @@ class Supervisor:
         config = {
             **plan.train_config,
             "_elastic": {
+                "train_loop": plan.train_loop,
                 "attempt": self.attempt,
                 "supervisor": plan.actor_name,
                 "namespace": plan.namespace,
@@ -356,6 +378,8 @@ class Supervisor:
         if head:
             # The Train controller lives beside its runner: keep both off nodes that may go.
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+        # Ray Train would route print() to its own logger; the job's log wants the lines.
+        options["runtime_env"] = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
         self.runner = AttemptRunner.options(**options).remote()  # type: ignore[attr-defined]
         watcher = asyncio.get_running_loop().create_task(self._watch(size))
         try:

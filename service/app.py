@@ -20,6 +20,7 @@ from service.control import JobControl
 from service.problems import Problem
 from service.settings import Settings
 from service.store import Store
+from service.streams import Hub
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(
             launcher.connect, settings.ray_address, settings.ray_namespace,
             settings.ray_num_cpus, settings.ray_num_gpus)
-        control = JobControl(settings, app.state.store)
+        control = JobControl(settings, app.state.store, app.state.hub)
         app.state.control = control
         control.start()
         try:
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.store = Store(settings.resolved_database_url)
+    app.state.hub = Hub(settings.sse_client_buffer)
     app.state.admin_token, _ = resolve_admin_token(settings)
     problems.install(app)
     app.include_router(api.router)

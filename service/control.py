@@ -19,20 +19,25 @@ from jobs import launcher
 from jobs.spec import JobSpec
 from jobs.state import JobState
 from service.problems import Problem
+from service.schemas import JobOut
 from service.settings import Settings
 from service.store import JobRow, Store
+from service.streams import Hub
 
 log = logging.getLogger(__name__)
 
 # A supervisor not found this long after its job's last change is gone, not late.
 MISSING_GRACE_S = 5.0
 CALL_TIMEOUT_S = 10.0
+# Job-level changes that the all-jobs stream carries (besides "created").
+ANNOUNCED = ("state", "resized")
 
 
 class JobControl:
-    def __init__(self, settings: Settings, store: Store) -> None:
+    def __init__(self, settings: Settings, store: Store, hub: Hub) -> None:
         self.settings = settings
         self.store = store
+        self.hub = hub
         self._handles: dict[str, Any] = {}
         self._missing_since: dict[str, float] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -63,6 +68,7 @@ class JobControl:
         job = await asyncio.to_thread(
             self.store.create_job, spec.name, owner, spec.workload, spec.model_dump(mode="json")
         )
+        self._announce("created", job)
         await self._launch(job)
         return await asyncio.to_thread(self._get, job.id)
 
@@ -131,7 +137,7 @@ class JobControl:
                 return  # busy or on a node being declared dead: try next tick
             if not events:
                 return
-            job = await asyncio.to_thread(self.store.append_events, job_id, events)
+            job = await self._store_events(job_id, events)
             handle.ack.remote(events[-1]["seq"])
             if JobState(job.state).is_terminal:
                 launcher.stop_supervisor(handle)
@@ -168,8 +174,20 @@ class JobControl:
             return
         event = {"seq": job.last_seq + 1, "kind": "state", "time": time.time(),
                  "data": {"state": state.value, "previous": job.state, "reason": reason}}
-        await asyncio.to_thread(self.store.append_events, job_id, [event])
+        await self._store_events(job_id, [event])
         self._forget(job_id)
+
+    async def _store_events(self, job_id: str, events: list[dict[str, Any]]) -> JobRow:
+        """Store, then tell live streams: nothing is sent that is not stored first."""
+        job = await asyncio.to_thread(self.store.append_events, job_id, events)
+        self.hub.publish(job_id, events)
+        for kind in dict.fromkeys(e["kind"] for e in events if e["kind"] in ANNOUNCED):
+            self._announce(kind, job)
+        return job
+
+    def _announce(self, kind: str, job: JobRow) -> None:
+        self.hub.publish_all({"type": kind, "job": JobOut.model_validate(job).model_dump(
+            mode="json")})
 
     def _forget(self, job_id: str) -> None:
         self._handles.pop(job_id, None)

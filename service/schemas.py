@@ -62,3 +62,35 @@ class CheckpointOut(BaseModel):
 
 class CheckpointList(BaseModel):
     items: list[CheckpointOut]
+
+
+class MetricSeries(BaseModel):
+    total_points: int
+    # step, time, loss, accuracy, samples_per_s, learning_rate, world_size: equal lengths
+    columns: dict[str, list[float | int | None]]
+
+
+class LogLine(BaseModel):
+    seq: int
+    rank: int
+    attempt: int
+    time: float
+    stream: str
+    line: str
+
+
+class LogPage(BaseModel):
+    items: list[LogLine]
+    next_after: int
+
+
+def downsample(total: int, every: int | None = None, points: int | None = None) -> list[int]:
+    """Indices to keep: every ``every``-th, or about ``points`` evenly spread; the last
+    point is always kept so a chart ends where the run is."""
+    if total == 0:
+        return []
+    stride = every or (max(1, -(-total // points)) if points else 1)
+    keep = list(range(0, total, stride))
+    if keep[-1] != total - 1:
+        keep.append(total - 1)
+    return keep

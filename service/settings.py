@@ -62,6 +62,15 @@ class Settings(BaseSettings):
         le=60,
         description="How often the service collects new events from the job supervisors.",
     )
+    sse_keepalive_s: float = Field(
+        15.0, gt=0, le=300, description="Seconds between keep-alive comments on quiet streams."
+    )
+    sse_client_buffer: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="Events a live stream may fall behind before it is told to reconnect.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the service."
     )

@@ -73,6 +73,26 @@ class EventRow(Base):
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
+class MetricRow(Base):
+    """The metrics events again, as a narrow table: series queries stay cheap on long runs."""
+
+    __tablename__ = "metrics"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)
+    time: Mapped[float] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    learning_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
+    world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+METRIC_COLUMNS = ("step", "time", "loss", "accuracy", "samples_per_s", "learning_rate",
+                  "world_size")
+
+
 class CheckpointRow(Base):
     __tablename__ = "checkpoints"
 
@@ -167,15 +187,26 @@ class Store:
 
     # -- events -------------------------------------------------------------------------
 
-    def events(self, job_id: str, after: int = 0, limit: int = 1000) -> list[EventRow]:
+    def events(self, job_id: str, after: int = 0, limit: int = 1000,
+               kinds: Sequence[str] | None = None) -> list[EventRow]:
         query = (
             select(EventRow)
             .where(EventRow.job_id == job_id, EventRow.seq > after)
             .order_by(EventRow.seq)
             .limit(limit)
         )
+        if kinds:
+            query = query.where(EventRow.kind.in_(kinds))
         with self.session() as s:
             return list(s.scalars(query))
+
+    def metrics(self, job_id: str) -> dict[str, list[Any]]:
+        """The job's metrics as columns, in step order."""
+        columns = [getattr(MetricRow, c) for c in METRIC_COLUMNS]
+        query = select(*columns).where(MetricRow.job_id == job_id).order_by(MetricRow.seq)
+        with self.session() as s:
+            rows = s.execute(query).all()
+        return {name: [r[i] for r in rows] for i, name in enumerate(METRIC_COLUMNS)}
 
     def append_events(self, job_id: str, events: Sequence[dict[str, Any]]) -> JobRow:
         """Store events (``{seq, kind, time, data}``) and fold them into the job's summary,
@@ -215,6 +246,10 @@ class Store:
             return list(s.scalars(query))
 
 
+def event_dict(row: EventRow) -> dict[str, Any]:
+    return {"seq": row.seq, "kind": row.kind, "time": row.time, "data": row.data}
+
+
 def _fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
     """What one event changes in the job's summary row and the checkpoint table."""
     data, kind = ev["data"], ev["kind"]
@@ -236,6 +271,11 @@ def _fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
     elif kind == "attempt_started":
         job.world_size = int(data["world_size"])
     elif kind == "metrics":
+        s.add(MetricRow(job_id=job.id, seq=ev["seq"], step=int(data["step"]), time=ev["time"],
+                        loss=data.get("loss"), accuracy=data.get("accuracy"),
+                        samples_per_s=data.get("samples_per_s"),
+                        learning_rate=data.get("learning_rate"),
+                        world_size=data.get("world_size")))
         job.step = int(data["step"])
         job.last_loss = data.get("loss")
         job.samples_per_s = data.get("samples_per_s")

@@ -1,0 +1,101 @@
+"""Does watching a job slow it down? The same job, with no SSE client and with 100.
+
+Starts the service (`etrain serve`, the embedded default, in its own process), runs the
+small-CNN job once unwatched and once with 100 concurrent clients streaming its events,
+and prints the steady-state samples/s of each and their ratio (goal: at least 0.95).
+
+    .venv/bin/python -m bench.sse_fanout
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+
+TOKEN = "bench-token"
+STEPS = 600
+CLIENTS = 100
+
+
+def job_spec() -> dict[str, Any]:
+    return {
+        "name": "fanout", "workload": "image-classification",
+        "hyperparameters": {"model": "small_cnn", "dataset": "synthetic", "max_steps": STEPS,
+                            "global_batch_size": 64, "learning_rate": 0.05, "seed": 0,
+                            "report_every_steps": 5},
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": 100, "keep": 2},
+    }
+
+
+async def watch(client: httpx.AsyncClient, job_id: str) -> int:
+    count = 0
+    async with client.stream("GET", f"/v1/jobs/{job_id}/events",
+                             headers={"Accept": "text/event-stream"}) as r:
+        async for line in r.aiter_lines():
+            count += line.startswith("id: ")
+    return count
+
+
+async def run_job(base: str, clients: int) -> tuple[float, list[int]]:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_connections=clients + 10)) as client:
+        job = (await client.post("/v1/jobs", json=job_spec())).json()
+        watchers = [asyncio.create_task(watch(client, job["id"])) for _ in range(clients)]
+        while (await client.get(f"/v1/jobs/{job['id']}")).json()["state"] not in (
+                "succeeded", "failed", "cancelled"):
+            await asyncio.sleep(0.5)
+        counts = list(await asyncio.gather(*watchers))
+        metrics = (await client.get(f"/v1/jobs/{job['id']}/metrics")).json()["columns"]
+    # Steady state: past the first 100 steps (warm-up, first checkpoint).
+    rates = [r for s, r in zip(metrics["step"], metrics["samples_per_s"], strict=True)
+             if s > 100 and r]
+    return statistics.median(rates), counts
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    data = tempfile.mkdtemp(prefix="etrain-bench-")
+    port = 8765
+    env = {**os.environ, "ETRAIN_DATA_DIR": data, "ETRAIN_API_TOKEN": TOKEN,
+           "ETRAIN_PORT": str(port), "ETRAIN_LOG_LEVEL": "warning"}
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/readyz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the service did not become ready")
+            time.sleep(0.5)
+        alone, _ = asyncio.run(run_job(base, 0))
+        watched, counts = asyncio.run(run_job(base, CLIENTS))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert len(set(counts)) == 1, f"clients got different numbers of events: {set(counts)}"
+    print()
+    print("| run                          | samples/s (median, steps > 100) | events per client |")
+    print("| ---------------------------- | ------------------------------- | ----------------- |")
+    print(f"| no SSE client                | {alone:31.0f} | {'-':>17} |")
+    print(f"| {CLIENTS} SSE clients on the job    | {watched:31.0f} | {counts[0]:17d} |")
+    print(f"\nratio watched/unwatched: {watched / alone:.3f}")
+
+
+if __name__ == "__main__":
+    main()

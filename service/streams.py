@@ -1,0 +1,171 @@
+"""Fan-out of stored events to live subscribers (SSE clients), never blocking the writer.
+
+Every subscriber has a bounded queue. The event pump publishes only what it has already
+stored; a subscriber that falls too far behind is marked overflowed and told to reconnect
+with its last id, which it can, because the store has everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+
+class Subscription:
+    """One live reader. It is cut off when it lags more than ``limit`` items behind what has
+    been published: by sequence number for a job's events (however they were batched), by
+    items waiting for the all-jobs stream."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.items: deque[dict[str, Any]] = deque()
+        self.ready = asyncio.Event()
+        self.last_sent = 0
+        self.overflowed = False
+
+    def offer(self, item: dict[str, Any]) -> None:
+        if self.overflowed:
+            return
+        lag = item["seq"] - self.last_sent if "seq" in item else len(self.items) + 1
+        if lag > self.limit:
+            self.overflowed = True
+            self.items.clear()
+        else:
+            self.items.append(item)
+        self.ready.set()
+
+    async def next(self, timeout: float) -> dict[str, Any] | None:
+        """The next item, or None after ``timeout`` seconds of silence."""
+        if not self.items and not self.overflowed:
+            self.ready.clear()
+            try:
+                await asyncio.wait_for(self.ready.wait(), timeout)
+            except TimeoutError:
+                return None
+        return self.items.popleft() if self.items else None
+
+
+class Hub:
+    def __init__(self, buffer: int) -> None:
+        self.buffer = buffer
+        self._jobs: dict[str, set[Subscription]] = {}
+        self._everyone: set[Subscription] = set()
+
+    def subscribe(self, job_id: str | None) -> Subscription:
+        sub = Subscription(self.buffer)
+        (self._everyone if job_id is None else self._jobs.setdefault(job_id, set())).add(sub)
+        return sub
+
+    def unsubscribe(self, job_id: str | None, sub: Subscription) -> None:
+        if job_id is None:
+            self._everyone.discard(sub)
+            return
+        subs = self._jobs.get(job_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._jobs[job_id]
+
+    def publish(self, job_id: str, events: Iterable[dict[str, Any]]) -> None:
+        for sub in list(self._jobs.get(job_id, ())):
+            for event in events:
+                sub.offer(event)
+
+    def publish_all(self, item: dict[str, Any]) -> None:
+        for sub in list(self._everyone):
+            sub.offer(item)
+
+    def subscriber_count(self, job_id: str | None) -> int:
+        return len(self._everyone if job_id is None else self._jobs.get(job_id, ()))
+
+
+def sse_message(data: Any, event: str | None = None, id: int | str | None = None) -> str:
+    lines = []
+    if id is not None:
+        lines.append(f"id: {id}")
+    if event is not None:
+        lines.append(f"event: {event}")
+    lines.extend(f"data: {line}" for line in json.dumps(data).splitlines() or [""])
+    return "\n".join(lines) + "\n\n"
+
+
+KEEPALIVE = ": keep-alive\n\n"
+
+
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+BACKLOG_PAGE = 500
+
+
+def _is_terminal(event: dict[str, Any]) -> bool:
+    return event["kind"] == "state" and event["data"].get("state") in TERMINAL_STATES
+
+
+async def job_events(
+    store: Any,
+    hub: Hub,
+    job_id: str,
+    after: int,
+    keepalive_s: float,
+    kinds: tuple[str, ...] | None = None,
+) -> Any:
+    """SSE text for a job's events after ``after``: what is stored, then live, until the
+    job's terminal event. ``kinds`` narrows what is sent, not when the stream ends."""
+    from service.store import event_dict
+
+    sub = hub.subscribe(job_id)  # before reading the backlog: nothing falls in between
+    last = sub.last_sent = after
+    try:
+        while True:
+            rows = await asyncio.to_thread(store.events, job_id, last, BACKLOG_PAGE)
+            for row in rows:
+                event = event_dict(row)
+                last = sub.last_sent = event["seq"]
+                if kinds is None or event["kind"] in kinds:
+                    yield sse_message(event, event["kind"], event["seq"])
+                if _is_terminal(event):
+                    return
+            if len(rows) < BACKLOG_PAGE:
+                break
+        while True:
+            live = await sub.next(keepalive_s)
+            if sub.overflowed:
+                yield sse_message({"reason": "this client fell too far behind; reconnect with "
+                                   "Last-Event-ID", "last_event_id": last}, "reconnect")
+                return
+            if live is None:
+                yield KEEPALIVE
+                continue
+            if live["seq"] <= last:
+                continue  # already sent from the backlog
+            last = sub.last_sent = live["seq"]
+            if kinds is None or live["kind"] in kinds:
+                yield sse_message(live, live["kind"], live["seq"])
+            if _is_terminal(live):
+                return
+    finally:
+        hub.unsubscribe(job_id, sub)
+
+
+async def all_jobs(hub: Hub, keepalive_s: float, visible: Any) -> Any:
+    """SSE text of job-level changes across the jobs ``visible(job)`` lets the caller see."""
+    sub = hub.subscribe(None)
+    counter = 0
+    try:
+        yield KEEPALIVE  # headers and a first byte now: the client knows it is subscribed
+        while True:
+            item = await sub.next(keepalive_s)
+            if sub.overflowed:
+                yield sse_message({"reason": "this client fell too far behind; reload the "
+                                   "job list and reconnect"}, "reconnect")
+                return
+            if item is None:
+                yield KEEPALIVE
+                continue
+            if visible(item["job"]):
+                counter += 1
+                yield sse_message(item, "job", counter)
+    finally:
+        hub.unsubscribe(None, sub)

@@ -1,0 +1,36 @@
+import asyncio
+
+from service.streams import Hub, sse_message
+
+
+def test_sse_message_format() -> None:
+    assert sse_message({"a": 1}, "metrics", 7) == 'id: 7\nevent: metrics\ndata: {"a": 1}\n\n'
+
+
+def test_a_reader_lagging_past_the_limit_is_cut_off_and_others_are_not() -> None:
+    async def scenario() -> None:
+        hub = Hub(buffer=3)
+        fast, slow = hub.subscribe("j"), hub.subscribe("j")
+        for seq in range(1, 4):
+            hub.publish("j", [{"seq": seq}])
+            item = await fast.next(1)
+            assert item == {"seq": seq}
+            fast.last_sent = seq
+        assert not slow.overflowed  # three behind: at the limit, still fine
+        hub.publish("j", [{"seq": 4}])
+        assert slow.overflowed and not fast.overflowed
+        assert await slow.next(0.01) is None
+        assert await fast.next(1) == {"seq": 4}
+        hub.unsubscribe("j", slow)
+        hub.unsubscribe("j", fast)
+        assert hub.subscriber_count("j") == 0
+
+    asyncio.run(scenario())
+
+
+def test_next_times_out_quietly() -> None:
+    async def scenario() -> None:
+        sub = Hub(buffer=10).subscribe(None)
+        assert await sub.next(0.05) is None
+
+    asyncio.run(scenario())

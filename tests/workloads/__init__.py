@@ -1,0 +1,1 @@
+"""Training loops that tests submit as custom entrypoints (``tests.workloads:...``)."""
