@@ -111,6 +111,13 @@ def _sse(body: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+def _job_stream(request: Request, store: Store, job_id: str, after: int,
+                kinds: tuple[str, ...] | None) -> StreamingResponse:
+    return _sse(streams.job_events(store, request.app.state.hub, job_id,
+                                   _resume_point(request, after),
+                                   request.app.state.settings.sse_keepalive_s, kinds))
+
+
 @router.get(
     "/jobs/{job_id}/events",
     response_model=EventPage,
@@ -131,10 +138,7 @@ async def list_events(
     await asyncio.to_thread(_job, store, job_id)
     kinds = tuple(kind) if kind else None
     if _wants_sse(request):
-        settings = request.app.state.settings
-        return _sse(streams.job_events(store, request.app.state.hub, job_id,
-                                       _resume_point(request, after),
-                                       settings.sse_keepalive_s, kinds))
+        return _job_stream(request, store, job_id, after, kinds)
     events = await asyncio.to_thread(store.events, job_id, after, limit, kinds)
     return EventPage.model_validate(
         {"items": events, "next_after": events[-1].seq if events else after})
@@ -175,10 +179,7 @@ async def get_logs(
 ) -> Any:
     await asyncio.to_thread(_job, store, job_id)
     if follow:
-        settings = request.app.state.settings
-        return _sse(streams.job_events(store, request.app.state.hub, job_id,
-                                       _resume_point(request, after),
-                                       settings.sse_keepalive_s, ("log",)))
+        return _job_stream(request, store, job_id, after, ("log",))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
     lines = [LogLine(seq=e.seq, rank=e.data["rank"], attempt=e.data["attempt"], time=t,
                      stream=stream, line=text)

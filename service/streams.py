@@ -70,16 +70,31 @@ class Hub:
                 del self._jobs[job_id]
 
     def publish(self, job_id: str, events: Iterable[dict[str, Any]]) -> None:
-        for sub in list(self._jobs.get(job_id, ())):
-            for event in events:
-                sub.offer(event)
+        subs = list(self._jobs.get(job_id, ()))
+        if not subs:
+            return
+        # Formatted once, whatever the number of readers: 100 watchers cost one json.dumps.
+        items = [live_item(e) for e in events]
+        for sub in subs:
+            for item in items:
+                sub.offer(item)
 
     def publish_all(self, item: dict[str, Any]) -> None:
-        for sub in list(self._everyone):
-            sub.offer(item)
+        subs = list(self._everyone)
+        if not subs:
+            return
+        entry = {"job": item["job"], "text": sse_message(item, "job")}
+        for sub in subs:
+            sub.offer(entry)
 
     def subscriber_count(self, job_id: str | None) -> int:
         return len(self._everyone if job_id is None else self._jobs.get(job_id, ()))
+
+
+def live_item(event: dict[str, Any]) -> dict[str, Any]:
+    """What a job's live readers get: enough to filter and stop on, and the text to send."""
+    return {"seq": event["seq"], "kind": event["kind"], "terminal": _is_terminal(event),
+            "text": sse_message(event, event["kind"], event["seq"])}
 
 
 def sse_message(data: Any, event: str | None = None, id: int | str | None = None) -> str:
@@ -142,17 +157,17 @@ async def job_events(
                 continue  # already sent from the backlog
             last = sub.last_sent = live["seq"]
             if kinds is None or live["kind"] in kinds:
-                yield sse_message(live, live["kind"], live["seq"])
-            if _is_terminal(live):
+                yield live["text"]
+            if live["terminal"]:
                 return
     finally:
         hub.unsubscribe(job_id, sub)
 
 
 async def all_jobs(hub: Hub, keepalive_s: float, visible: Any) -> Any:
-    """SSE text of job-level changes across the jobs ``visible(job)`` lets the caller see."""
+    """SSE text of job-level changes across the jobs ``visible(job)`` lets the caller see.
+    These carry no ids: after a reconnect, a client reloads the job list."""
     sub = hub.subscribe(None)
-    counter = 0
     try:
         yield KEEPALIVE  # headers and a first byte now: the client knows it is subscribed
         while True:
@@ -165,7 +180,6 @@ async def all_jobs(hub: Hub, keepalive_s: float, visible: Any) -> Any:
                 yield KEEPALIVE
                 continue
             if visible(item["job"]):
-                counter += 1
-                yield sse_message(item, "job", counter)
+                yield item["text"]
     finally:
         hub.unsubscribe(None, sub)

@@ -11,16 +11,21 @@ def test_a_reader_lagging_past_the_limit_is_cut_off_and_others_are_not() -> None
     async def scenario() -> None:
         hub = Hub(buffer=3)
         fast, slow = hub.subscribe("j"), hub.subscribe("j")
+        def event(seq: int) -> dict:
+            return {"seq": seq, "kind": "metrics", "time": 0.0, "data": {"step": seq}}
+
         for seq in range(1, 4):
-            hub.publish("j", [{"seq": seq}])
+            hub.publish("j", [event(seq)])
             item = await fast.next(1)
-            assert item == {"seq": seq}
+            assert item is not None and item["seq"] == seq
+            assert item["text"] == sse_message(event(seq), "metrics", seq)
             fast.last_sent = seq
         assert not slow.overflowed  # three behind: at the limit, still fine
-        hub.publish("j", [{"seq": 4}])
+        hub.publish("j", [event(4)])
         assert slow.overflowed and not fast.overflowed
         assert await slow.next(0.01) is None
-        assert await fast.next(1) == {"seq": 4}
+        item = await fast.next(1)
+        assert item is not None and item["seq"] == 4 and not item["terminal"]
         hub.unsubscribe("j", slow)
         hub.unsubscribe("j", fast)
         assert hub.subscriber_count("j") == 0
