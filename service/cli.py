@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.app import create_app
 
+    # Live streams never end on their own: give them a few seconds, then close them, so
+    # that Ctrl-C or SIGTERM does not wait on a dashboard left open.
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level.lower())
+                log_level=settings.log_level.lower(), timeout_graceful_shutdown=5)
     return 0
 
 
