@@ -8,6 +8,7 @@ from typing import Any
 
 import ray
 from ray._private import ray_constants
+from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import capacity
@@ -17,6 +18,10 @@ from jobs.state import TRANSITIONS, JobState
 from jobs.workloads import WORKLOADS
 
 log = logging.getLogger(__name__)
+
+# What a call to a supervisor raises when its actor has died: the service needs the name,
+# not Ray.
+SupervisorGone = RayActorError
 
 ACTOR_PREFIX = "etrain-supervisor-"
 # For a Ray instance the service starts itself: a node that stops answering is declared

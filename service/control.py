@@ -13,8 +13,6 @@ import logging
 import time
 from typing import Any
 
-from ray.exceptions import RayActorError
-
 from jobs import launcher
 from jobs.spec import JobSpec
 from jobs.state import JobState
@@ -81,7 +79,7 @@ class JobControl:
         if handle is not None:
             try:
                 await asyncio.wait_for(handle.cancel.remote(reason), CALL_TIMEOUT_S)
-            except (RayActorError, TimeoutError):
+            except (launcher.SupervisorGone, TimeoutError):
                 handle = None
         if handle is None:
             await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
@@ -128,7 +126,7 @@ class JobControl:
             try:
                 events = await asyncio.wait_for(handle.events.remote(job.last_seq),
                                                 CALL_TIMEOUT_S)
-            except RayActorError as e:
+            except launcher.SupervisorGone as e:
                 self._handles.pop(job_id, None)
                 await self._end_without_supervisor(
                     job_id, JobState.FAILED, f"the job's supervisor died: {e}")
