@@ -42,8 +42,13 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
     assert anonymous.get("/healthz").json() == {"status": "ok"}
     assert anonymous.get("/readyz").json() == {"status": "ready"}
     paths = anonymous.get("/openapi.json").json()["paths"]
-    routes = [(m.upper(), p) for p, ops in paths.items() for m in ops if p.startswith("/v1")]
-    assert len(routes) == 6
+    routes = {(m.upper(), p) for p, ops in paths.items() for m in ops if p.startswith("/v1")}
+    assert routes == {
+        ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs/{job_id}"),
+        ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/jobs/{job_id}/checkpoints"),
+        ("GET", "/v1/jobs/{job_id}/events"), ("GET", "/v1/jobs/{job_id}/metrics"),
+        ("GET", "/v1/jobs/{job_id}/logs"), ("GET", "/v1/events"),
+    }
     assert set(paths) - {p for _, p in routes} == {"/healthz", "/readyz"}
     for method, path in routes:
         url = path.replace("{job_id}", "job-x")
