@@ -67,11 +67,6 @@ def keep_ray_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def disconnect() -> None:
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def is_connected() -> bool:
     return ray.is_initialized()
 

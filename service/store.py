@@ -228,12 +228,6 @@ class Store:
             job.updated_at = utcnow()
             return job
 
-    def next_seq(self, job_id: str) -> int:
-        job = self.get_job(job_id)
-        if job is None:
-            raise KeyError(job_id)
-        return job.last_seq + 1
-
     # -- checkpoints --------------------------------------------------------------------
 
     def checkpoints(self, job_id: str) -> list[CheckpointRow]:
