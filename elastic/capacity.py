@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import ray
 from ray._private import state as ray_state
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.policy import workers_that_fit
 
@@ -41,3 +43,13 @@ def head_node_id() -> str | None:
         if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {}):
             return str(node["NodeID"])
     return None
+
+
+def on_head_node() -> dict[str, Any]:
+    """Actor options that pin it to the head node, which outlives the worker nodes that may
+    vanish. Hard affinity: a soft one let Ray place actors on workers when the head has no
+    CPUs. Empty when no head can be found (a client connection to an odd cluster)."""
+    head = head_node_id()
+    if head is None:
+        return {}
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)}

@@ -19,7 +19,6 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import capacity
 from elastic.checkpoints import CheckpointDir, CheckpointInfo
@@ -373,13 +372,12 @@ class Supervisor:
                 "resume_path": checkpoint.path if checkpoint else None,
             },
         }
-        options: dict[str, Any] = {}
-        head = capacity.head_node_id()
-        if head:
+        options: dict[str, Any] = {
             # The Train controller lives beside its runner: keep both off nodes that may go.
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-        # Ray Train would route print() to its own logger; the job's log wants the lines.
-        options["runtime_env"] = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+            **capacity.on_head_node(),
+            # Ray Train would route print() to its own logger; the job's log wants the lines.
+            "runtime_env": {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        }
         self.runner = AttemptRunner.options(**options).remote()  # type: ignore[attr-defined]
         watcher = asyncio.get_running_loop().create_task(self._watch(size))
         try:

@@ -9,7 +9,6 @@ from typing import Any
 import ray
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic import capacity
 from elastic.supervisor import Supervisor, SupervisorPlan
@@ -107,10 +106,8 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str,
         "namespace": namespace,
         "lifetime": "detached",
         "get_if_exists": True,
+        **capacity.on_head_node(),
     }
-    head = capacity.head_node_id()
-    if head:
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
     handle = Supervisor.options(**options).remote(plan, first_seq)  # type: ignore[attr-defined]
     handle.start.remote()
     return handle
