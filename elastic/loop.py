@@ -1,31 +1,54 @@
-"""The supervised training loop every built-in workload runs inside a Ray Train worker.
+"""The training context every training loop runs with inside a worker: built-in workloads
+and users' ``train_loop(config, ctx)`` alike.
 
-A workload supplies its model, dataset and loss; this loop supplies what makes the job
-elastic and the training the same whatever the world size: the resumable data order, the
-global batch kept whole by gradient accumulation, checkpoints at fixed step boundaries,
-restore, pausing at a checkpoint so the supervisor can grow the job, and metrics.
+A loop hands the context its model, optimizer and dataset; the context supplies what makes
+the job elastic and the training the same whatever the world size: the model made
+distributed as the job's ``distributed`` options say, the resumable data order, the global
+batch kept whole by gradient accumulation, checkpoints at fixed step boundaries, restore,
+pausing at a checkpoint so the supervisor can grow the job, and metrics.
+
+    model = ctx.prepare_model(Net())
+    optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in ctx.batches(dataset, global_batch_size=64, epochs=3):
+        ctx.train_step(batch, nn.CrossEntropyLoss(reduction="none"))
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray.train.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from elastic.sampling import SamplerPosition, advance, rank_indices, steps_per_epoch
+from elastic.distributed import (
+    DistributedOptions,
+    LocalSGD,
+    Precision,
+    full_state,
+    gradient_sync,
+    is_sharded,
+    load_optimizer,
+    unwrap,
+    wrap_model,
+)
+from elastic.sampling import SamplerPosition, advance, rank_indices, share, steps_per_epoch
 from elastic.schedule import lr_factor
 from elastic.worker import WorkerContext, position_from_dict, position_to_dict
+
+LossPerSample = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class PausedForResize(BaseException):
+    """Raised out of ``ctx.batches`` right after a checkpoint when the supervisor wants the
+    job to restart bigger. A BaseException, so a user's ``except Exception`` lets it by."""
 
 
 @dataclass
@@ -34,21 +57,24 @@ class LoopSettings:
     seed: int
     max_steps: int | None
     epochs: int | None
-    report_every_steps: int
+    report_every_steps: int = 1
     lr_schedule: str = "constant"
     warmup_steps: int = 0
-    dtype: torch.dtype = torch.float32
     # Write the indices each rank trains on, per step, under the checkpoint dir (audits).
     record_samples: bool = False
 
 
 @dataclass
-class TrainingParts:
-    model: nn.Module
-    dataset: Dataset
-    make_optimizer: Callable[[Sequence[nn.Parameter]], torch.optim.Optimizer]
-    # Per-sample losses, so the loop can weight them to the exact global-batch mean.
-    loss_per_sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+class StepBatch:
+    """This rank's part of one optimizer step's global batch, already on the device."""
+
+    step: int  # the optimizer step this batch makes (1-based)
+    epoch: int
+    inputs: Any
+    targets: torch.Tensor
+    global_batch: int  # samples in the step across all ranks
+    indices: list[int]
+    ends_epoch: bool  # the last step of its epoch: a place for a held-out evaluation
 
 
 def total_steps(settings: LoopSettings, dataset_size: int) -> int:
@@ -57,12 +83,29 @@ def total_steps(settings: LoopSettings, dataset_size: int) -> int:
         limits.append(settings.max_steps)
     if settings.epochs is not None:
         limits.append(settings.epochs * steps_per_epoch(dataset_size, settings.global_batch_size))
+    if not limits:
+        raise ValueError("give epochs or max_steps")
     return min(limits)
 
 
-def micro_batches(share: int, micro_batch_size: int) -> list[tuple[int, int]]:
+def micro_batches(share_size: int, micro_batch_size: int) -> list[tuple[int, int]]:
     """[start, end) slices of a rank's share, each at most ``micro_batch_size``."""
-    return [(i, min(i + micro_batch_size, share)) for i in range(0, share, micro_batch_size)]
+    return [(i, min(i + micro_batch_size, share_size))
+            for i in range(0, share_size, micro_batch_size)]
+
+
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _rows(obj: Any, start: int, end: int) -> Any:
+    return _map(obj, lambda t: t[start:end])
 
 
 class _StepBatches(torch.utils.data.Sampler[list[int]]):
@@ -77,7 +120,7 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
         self.rank = rank
         self.plan: list[tuple[SamplerPosition, list[int], int]] = []
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[int]]:
         for position, indices, batch in rank_indices(
             self.position, self.dataset_size, self.settings.global_batch_size,
             self.settings.seed, self.world_size, self.rank,
@@ -89,11 +132,11 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
 class _SampleLog:
     def __init__(self, ctx: WorkerContext, enabled: bool) -> None:
         self.file = None
+        self.attempt = ctx.attempt
         if enabled:
             folder = Path(ctx.checkpoints.root) / "samples"
             folder.mkdir(parents=True, exist_ok=True)
             self.file = (folder / f"attempt-{ctx.attempt}-rank-{ctx.rank}.jsonl").open("a")
-            self.attempt = ctx.attempt
 
     def write(self, step: int, epoch: int, indices: list[int]) -> None:
         if self.file is not None:
@@ -102,105 +145,290 @@ class _SampleLog:
             self.file.flush()
 
 
-def run(config: dict[str, Any], settings: LoopSettings, parts: TrainingParts) -> None:
-    ctx = WorkerContext.from_config(config)
-    model = parts.model.to(settings.dtype)
-    optimizer = parts.make_optimizer(list(model.parameters()))
-    dataset_size = len(parts.dataset)  # type: ignore[arg-type]
-    last_step = total_steps(settings, dataset_size)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: lr_factor(s, last_step, settings.lr_schedule, settings.warmup_steps),
-    )
-    step = 0
-    position = SamplerPosition()
-    restored = ctx.restore()
-    if restored is not None:
-        model.load_state_dict(restored["model"])
-        optimizer.load_state_dict(restored["optimizer"])
-        scheduler.load_state_dict(restored["scheduler"])
-        step = int(restored["step"])
-        position = position_from_dict(restored["sampler"])
-    model = ray.train.torch.prepare_model(model)
-    device = ray.train.torch.get_device()
-    # The micro-batch is a worker's share at full size: fewer workers accumulate more of
-    # them, so memory per step stays put and one optimizer step still sees the global batch.
-    micro = math.ceil(settings.global_batch_size / ctx.max_workers)
+class TrainContext:
+    """What ``train_loop(config, ctx)`` receives. See the module docstring and
+    ``examples/custom_train_loop.py``."""
 
-    batches = _StepBatches(position, dataset_size, settings, ctx.world_size, ctx.rank)
-    loader = ray.train.torch.prepare_data_loader(
-        DataLoader(parts.dataset, batch_sampler=batches, num_workers=0),
-        add_dist_sampler=False,
-    )
-    samples = _SampleLog(ctx, settings.record_samples)
-    first_step = step + 1
-    window_start, window_samples = time.perf_counter(), 0
-    batch_iter = iter(loader)
-    model.train()
-    while step < last_step:
-        inputs, targets = next(batch_iter)
-        position, indices, global_batch = batches.plan.pop(0)
-        inputs = inputs.to(settings.dtype)
+    def __init__(self, config: dict[str, Any], worker: WorkerContext,
+                 options: DistributedOptions | None = None) -> None:
+        self.config = config
+        self.hyperparameters: dict[str, Any] = dict(config.get("hyperparameters") or {})
+        self.worker = worker
+        self.options = options or DistributedOptions.from_dict(config.get("distributed"))
+        self.precision = Precision(self.options.precision, worker.device)
+        self.local_sgd = LocalSGD(self.options.local_sgd_period) \
+            if self.options.local_sgd else None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.dtype: torch.dtype | None = None
+        # Anything picklable a loop wants back after a restore (saved with each checkpoint).
+        self.state: dict[str, Any] = {}
+        self._restored = worker.restore()
+        self.step = int(self._restored["step"]) if self._restored else 0
+        self.position = position_from_dict(self._restored["sampler"]) \
+            if self._restored else SamplerPosition()
+        if self._restored:
+            self.state = dict(self._restored.get("user") or {})
+            self.precision.load_state_dict(self._restored.get("grad_scaler"))
+        self._extra_metrics: dict[str, Any] = {}
+        self._trained: int | None = None
+        self._totals = torch.zeros(2, dtype=torch.float64)
+        self._step_global_batch = 1  # the global batch of the step just taken
+        self._final_step: int | None = None
+        self._micro = 1
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TrainContext:
+        return cls(config, WorkerContext.from_config(config))
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.worker.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    # -- preparing the parts -------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+        """The model restored from the attempt's checkpoint, on this worker's device, and
+        wrapped for data parallelism (DDP or FSDP, with the job's gradient compression).
+        Build the optimizer from the returned model's parameters."""
+        if dtype is not None:
+            model = model.to(dtype)
+        self.dtype = dtype or next((p.dtype for p in model.parameters()), torch.float32)
+        if self._restored:
+            model.load_state_dict(self._restored["model"])
+        self.model = wrap_model(model, self.options, self.device)
+        return self.model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer, its state restored from the attempt's checkpoint."""
+        if self.model is None:
+            raise RuntimeError("call ctx.prepare_model first: the optimizer must hold the "
+                               "prepared model's parameters")
+        if self._restored:
+            load_optimizer(self.model, optimizer, self._restored["optimizer"])
+        self.optimizer = optimizer
+        return optimizer
+
+    # -- the steps -----------------------------------------------------------------------
+
+    def batches(
+        self, dataset: Dataset, global_batch_size: int, *, epochs: int | None = None,
+        max_steps: int | None = None, seed: int = 0, lr_schedule: str = "constant",
+        warmup_steps: int = 0, report_every_steps: int = 1, record_samples: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> Iterator[StepBatch]:
+        """One ``StepBatch`` per optimizer step, from where the checkpoint left off to the
+        first of ``epochs`` and ``max_steps``. Between steps it reports metrics, saves
+        checkpoints every ``checkpoint.every_steps`` and, when the job is to grow, raises
+        ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch."""
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
+        settings = LoopSettings(global_batch_size, seed, max_steps, epochs, report_every_steps,
+                                lr_schedule, warmup_steps, record_samples)
+        dataset_size = len(dataset)  # type: ignore[arg-type]
+        last_step = self._final_step = total_steps(settings, dataset_size)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps))
+        if self._restored and self._restored.get("scheduler"):
+            self.scheduler.load_state_dict(self._restored["scheduler"])
+        # The micro-batch is a worker's share at full size: fewer workers accumulate more
+        # of them, so memory per step stays put and one optimizer step still sees the
+        # global batch.
+        self._micro = math.ceil(global_batch_size / self.worker.max_workers)
+        sampler = _StepBatches(self.position, dataset_size, settings, self.world_size,
+                               self.rank)
+        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0,
+                            collate_fn=collate_fn, pin_memory=self.device.type == "cuda")
+        samples = _SampleLog(self.worker, record_samples)
+        first_step = self.step + 1
+        window_start, window_samples = time.perf_counter(), 0
+        self.model.train()
+        batch_iter = iter(loader)
+        while self.step < last_step:
+            inputs, targets = next(batch_iter)
+            position, indices, global_batch = sampler.plan.pop(0)
+            after = advance(position, dataset_size, global_batch_size)
+            batch = StepBatch(
+                step=self.step + 1, epoch=position.epoch,
+                inputs=_map(inputs, lambda t: t.to(self.device, non_blocking=True)),
+                targets=targets.to(self.device, non_blocking=True),
+                global_batch=global_batch, indices=indices,
+                ends_epoch=after.epoch != position.epoch,
+            )
+            yield batch
+            if self._trained != batch.step:
+                raise RuntimeError(f"step {batch.step}: every batch must go through "
+                                   "ctx.train_step(batch, loss_per_sample)")
+            self.step = batch.step
+            samples.write(self.step, position.epoch, indices)
+            self.position = after
+            window_samples += global_batch
+            if (self.step in (first_step, last_step) or self.step % report_every_steps == 0
+                    or self._extra_metrics):
+                elapsed = time.perf_counter() - window_start
+                self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
+                window_start, window_samples = time.perf_counter(), 0
+            if self.step % self.worker.every_steps == 0 or self.step == last_step:
+                self._checkpoint(last_step)
+
+    def train_step(self, batch: StepBatch, loss_per_sample: LossPerSample) -> None:
+        """Forward and backward over the batch in micro-batches, the gradients of the whole
+        global batch combined across workers, then one optimizer and LR-schedule step.
+        ``loss_per_sample(outputs, targets)`` returns one loss per sample (e.g.
+        ``nn.CrossEntropyLoss(reduction="none")``): the step minimises their exact mean
+        over the global batch whatever the world size."""
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None and self.scheduler is not None
+        inputs = self._cast(batch.inputs)
+        targets = batch.targets
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-        correct = torch.zeros((), device=device, dtype=torch.float64)
-        slices = micro_batches(len(targets), micro) or [(0, 0)]
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        correct = torch.zeros((), device=self.device, dtype=torch.float64)
+        slices = micro_batches(len(targets), self._micro) or [(0, 0)]
         for n, (a, b) in enumerate(slices):
-            # DDP all-reduces on the last micro-batch only; the others just accumulate.
-            sync = n == len(slices) - 1
-            no_sync = getattr(model, "no_sync", None)
-            with contextlib.nullcontext() if sync or no_sync is None else no_sync():
+            # Gradients are combined on the last micro-batch only; the others accumulate.
+            with gradient_sync(model, sync=n == len(slices) - 1):
                 if b > a:
-                    outputs = model(inputs[a:b])
-                    losses = parts.loss_per_sample(outputs, targets[a:b])
-                    # DDP averages over ranks; world/global makes the sum the exact mean over
-                    # the global batch whatever the world size and however it is split.
-                    loss = losses.sum() * (ctx.world_size / global_batch)
-                    correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
+                    with self.precision.autocast():
+                        outputs = model(_rows(inputs, a, b))
+                        losses = loss_per_sample(outputs, targets[a:b])
+                    # DDP and FSDP average over ranks; world/global makes the sum the exact
+                    # mean over the global batch whatever the world size and its split.
+                    loss = losses.sum() * (self.world_size / batch.global_batch)
+                    if isinstance(outputs, torch.Tensor) and outputs.dim() == 2 \
+                            and not targets.is_floating_point():
+                        correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
                     loss_sum += losses.detach().sum()
                 else:  # a short last batch left this rank nothing: join with zeros
                     loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
-                loss.backward()
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        samples.write(step, position.epoch, indices)
-        position = advance(position, dataset_size, settings.global_batch_size)
-        window_samples += global_batch
+                self.precision.backward(loss)
+        self.precision.step(optimizer)
+        self.scheduler.step()
+        # Local SGD averages every H steps and at the end, so the final model is the
+        # average; submission makes checkpoint.every_steps a multiple of H, so every
+        # checkpoint holds the averaged model too.
+        if self.local_sgd is not None and (self.local_sgd.due(batch.step)
+                                           or batch.step == self._final_step):
+            self.local_sgd.average(model, batch.step)
+        self._totals = torch.stack([loss_sum, correct])
+        self._step_global_batch = batch.global_batch
+        self._trained = batch.step
 
-        if step in (first_step, last_step) or step % settings.report_every_steps == 0:
-            totals = torch.stack([loss_sum, correct]).to(device)
-            if ctx.world_size > 1:
-                dist.all_reduce(totals)
-            if ctx.rank == 0:
-                elapsed = time.perf_counter() - window_start
-                ctx.emit("metrics", {
-                    "step": step,
-                    "epoch": position.epoch if position.consumed else position.epoch - 1,
-                    "loss": float(totals[0]) / global_batch,
-                    "accuracy": float(totals[1]) / global_batch,
-                    "samples_per_s": window_samples / elapsed if elapsed > 0 else None,
-                    "learning_rate": scheduler.get_last_lr()[0],
-                    "world_size": ctx.world_size,
-                    "total_steps": last_step,
-                })
-            window_start, window_samples = time.perf_counter(), 0
+    def _cast(self, inputs: Any) -> Any:
+        """Floating inputs in the model's dtype (float64 runs)."""
+        dtype = self.dtype
+        if dtype is None or dtype == torch.float32:
+            return inputs
+        return _map(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
-        if step % ctx.every_steps == 0 or step == last_step:
-            pause = False
-            if ctx.rank == 0:
-                unwrapped: nn.Module = getattr(model, "module", model)
-                ctx.save(step, {
-                    "model": unwrapped.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "step": step,
-                    "sampler": position_to_dict(position),
-                })
-                pause = step < last_step and ctx.should_pause(step)
-            if ctx.world_size > 1 and step < last_step:
-                flag = torch.tensor([1.0 if pause else 0.0], device=device)
-                dist.all_reduce(flag)
-                pause = bool(flag.item() > 0)
-            if pause:
-                return  # the supervisor restarts the job bigger from this checkpoint
+    def report(self, **metrics: Any) -> None:
+        """Extra metrics for the current step's report (rank 0's values are the ones sent)."""
+        self._extra_metrics.update(metrics)
+
+    def evaluate(self, dataset: Dataset, batch_size: int = 256,
+                 loss_per_sample: LossPerSample | None = None) -> dict[str, float]:
+        """Accuracy (and mean loss with ``loss_per_sample``) of the model on a held-out
+        dataset, split across the workers; every rank must call it. The result goes into
+        the current step's report as ``eval_accuracy`` / ``eval_loss``."""
+        model = self.model
+        assert model is not None
+        size = len(dataset)  # type: ignore[arg-type]
+        start, end = share(size, self.world_size, self.rank)
+        # FSDP gathers parameters in every forward: all ranks run the same number of them.
+        rounds = math.ceil(math.ceil(size / self.world_size) / batch_size)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        model.eval()
+        with torch.no_grad():
+            for r in range(rounds):
+                lo, hi = start + r * batch_size, min(start + (r + 1) * batch_size, end)
+                if hi <= lo and not is_sharded(model):
+                    break
+                idx = list(range(lo, hi)) if hi > lo else [0]
+                inputs, targets = next(iter(DataLoader(Subset(dataset, idx),
+                                                       batch_size=len(idx))))
+                inputs = self._cast(_map(inputs, lambda t: t.to(self.device)))
+                targets = targets.to(self.device)
+                with self.precision.autocast():
+                    outputs = model(inputs)
+                if hi <= lo:
+                    continue
+                totals[0] += (outputs.argmax(dim=1) == targets).sum()
+                totals[1] += len(idx)
+                if loss_per_sample is not None:
+                    totals[2] += loss_per_sample(outputs.float(), targets).double().sum()
+        model.train()
+        if self.world_size > 1:
+            dist.all_reduce(totals)
+        result = {"eval_accuracy": float(totals[0] / totals[1])}
+        if loss_per_sample is not None:
+            result["eval_loss"] = float(totals[2] / totals[1])
+        self._extra_metrics.update(result)
+        return result
+
+    # -- between steps -------------------------------------------------------------------
+
+    def _report(self, last_step: int, samples_per_s: float | None) -> None:
+        totals = self._totals.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(totals)
+        if self.rank == 0:
+            assert self.scheduler is not None
+            global_batch = self._step_global_batch
+            self.worker.emit("metrics", {
+                "step": self.step,
+                "epoch": self.position.epoch if self.position.consumed
+                else self.position.epoch - 1,
+                "loss": float(totals[0]) / global_batch,
+                "accuracy": float(totals[1]) / global_batch,
+                "samples_per_s": samples_per_s,
+                "learning_rate": self.scheduler.get_last_lr()[0],
+                "world_size": self.world_size,
+                "total_steps": last_step,
+                **self._extra_metrics,
+            })
+        self._extra_metrics = {}
+
+    def _checkpoint(self, last_step: int) -> None:
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None and self.scheduler is not None
+        model_state, optimizer_state = full_state(model, optimizer)  # collective for FSDP
+        pause = False
+        if self.rank == 0:
+            self.worker.save(self.step, {
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "scheduler": self.scheduler.state_dict(),
+                "grad_scaler": self.precision.state_dict(),
+                "step": self.step,
+                "sampler": position_to_dict(self.position),
+                "user": self.state,
+            })
+            pause = self.step < last_step and self.worker.should_pause(self.step)
+        if self.world_size > 1 and self.step < last_step:
+            flag = torch.tensor([1.0 if pause else 0.0], device=self.device)
+            dist.all_reduce(flag)
+            pause = bool(flag.item() > 0)
+        if pause:
+            raise PausedForResize(self.step)
+
+
+def run_with_context(train_loop: Callable[[dict[str, Any], TrainContext], Any],
+                     config: dict[str, Any], worker: WorkerContext | None = None) -> None:
+    """Run a ``train_loop(config, ctx)``; a pause for a resize ends it normally."""
+    ctx = TrainContext(config, worker or WorkerContext.from_config(config))
+    try:
+        train_loop(config, ctx)
+    except PausedForResize:
+        return
+
+
+__all__ = ["PausedForResize", "StepBatch", "TrainContext", "run_with_context", "unwrap"]

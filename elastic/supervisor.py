@@ -109,8 +109,10 @@ def resolve(entrypoint: str) -> Any:
 
 
 def run_train_loop(config: dict[str, Any]) -> None:
-    """What every Ray Train worker runs: the job's training loop, its output forwarded to
-    the job's log."""
+    """What every Ray Train worker runs: the job's ``train_loop(config, ctx)``, its output
+    forwarded to the job's log."""
+    from elastic.loop import run_with_context  # torch: on workers only
+
     meta = config["_elastic"]
     train_loop = resolve(meta["train_loop"])
     supervisor = ray.get_actor(meta["supervisor"], namespace=meta["namespace"])
@@ -121,7 +123,7 @@ def run_train_loop(config: dict[str, Any]) -> None:
                                          "lines": lines})
 
     with forward_output(send):
-        train_loop(config)
+        run_with_context(train_loop, config)
 
 
 @ray.remote(num_cpus=0)

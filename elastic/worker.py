@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +34,14 @@ class WorkerContext:
     supervisor: Any  # the supervisor's actor handle, or None when run without one
     resume_path: str | None  # the verified checkpoint this attempt starts from
     max_workers: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Without a supervisor (a worker started by hand, a test), events are kept here.
+    local_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> WorkerContext:
+        import ray.train.torch
+
         meta = config["_elastic"]
         ctx = ray.train.get_context()
         supervisor = None
@@ -52,6 +57,7 @@ class WorkerContext:
             supervisor=supervisor,
             resume_path=meta.get("resume_path"),
             max_workers=int(meta["max_workers"]),
+            device=ray.train.torch.get_device(),
         )
         if supervisor is not None:
             supervisor.register_worker.remote(
@@ -59,10 +65,26 @@ class WorkerContext:
             )
         return worker
 
+    @classmethod
+    def standalone(cls, rank: int, world_size: int, checkpoint_dir: str, every_steps: int,
+                   max_workers: int | None = None, resume_path: str | None = None,
+                   device: torch.device | None = None, keep: int = 3,
+                   attempt: int = 1) -> WorkerContext:
+        """A worker in a process group formed without Ray (``torch.multiprocessing``, a
+        debugger): the same training code runs, and its events stay in ``local_events``."""
+        return cls(
+            rank=rank, world_size=world_size, attempt=attempt,
+            checkpoints=CheckpointDir(checkpoint_dir), every_steps=every_steps, keep=keep,
+            supervisor=None, resume_path=resume_path,
+            max_workers=max_workers or world_size, device=device or torch.device("cpu"),
+        )
+
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         """Tell the supervisor (fire and forget: training never waits on it)."""
         if self.supervisor is not None:
             self.supervisor.record.remote(kind, {"attempt": self.attempt, **data})
+        else:
+            self.local_events.append((kind, {"attempt": self.attempt, **data}))
 
     def should_pause(self, step: int) -> bool:
         """Rank 0, after a checkpoint: does the supervisor want to restart bigger from here?"""

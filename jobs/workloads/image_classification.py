@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic import loop
+from elastic.loop import TrainContext
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 
 
@@ -71,28 +71,16 @@ def build_dataset(hp: ImageClassificationHyperparameters) -> Dataset:
     )
 
 
-def train_loop(config: dict[str, Any]) -> None:
+def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     hp = ImageClassificationHyperparameters.model_validate(config["hyperparameters"])
     criterion = nn.CrossEntropyLoss(reduction="none")
-    loop.run(
-        config,
-        loop.LoopSettings(
-            global_batch_size=hp.global_batch_size,
-            seed=hp.seed,
-            max_steps=hp.max_steps,
-            epochs=hp.epochs,
-            report_every_steps=hp.report_every_steps,
-            lr_schedule=hp.lr_schedule,
-            warmup_steps=hp.warmup_steps,
-            dtype=getattr(torch, hp.dtype),
-            record_samples=hp.record_samples,
-        ),
-        loop.TrainingParts(
-            model=build_model(hp),
-            dataset=build_dataset(hp),
-            make_optimizer=lambda params: torch.optim.SGD(
-                params, lr=hp.learning_rate, momentum=hp.momentum, weight_decay=hp.weight_decay
-            ),
-            loss_per_sample=criterion,
-        ),
-    )
+    model = ctx.prepare_model(build_model(hp), dtype=getattr(torch, hp.dtype))
+    ctx.prepare_optimizer(torch.optim.SGD(
+        model.parameters(), lr=hp.learning_rate, momentum=hp.momentum,
+        weight_decay=hp.weight_decay))
+    for batch in ctx.batches(
+        build_dataset(hp), hp.global_batch_size, epochs=hp.epochs, max_steps=hp.max_steps,
+        seed=hp.seed, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
+        report_every_steps=hp.report_every_steps, record_samples=hp.record_samples,
+    ):
+        ctx.train_step(batch, criterion)

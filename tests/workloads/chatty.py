@@ -7,12 +7,13 @@ import sys
 import warnings
 from typing import Any
 
-import ray.train
 import torch
 
+from elastic.loop import TrainContext
 
-def train_loop(config: dict[str, Any]) -> None:
-    rank = ray.train.get_context().get_world_rank()
+
+def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
+    rank = ctx.rank
     hp = config["hyperparameters"]
     print(f"hello from rank {rank}")
     print(f"rank {rank} to stderr", file=sys.stderr)
