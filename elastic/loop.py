@@ -240,6 +240,10 @@ class TrainContext:
             self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps))
         if self._restored and self._restored.get("scheduler"):
             self.scheduler.load_state_dict(self._restored["scheduler"])
+            # Making the scheduler set the lr of step 0; the restored step's lr is the one.
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(),
+                                 strict=True):
+                group["lr"] = lr
         # The micro-batch is a worker's share at full size: fewer workers accumulate more
         # of them, so memory per step stays put and one optimizer step still sees the
         # global batch.
@@ -331,21 +335,24 @@ class TrainContext:
         return _map(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def report(self, **metrics: Any) -> None:
-        """Extra metrics for the current step's report (rank 0's values are the ones sent)."""
+        """Extra metrics for the current step's report. Call it on every rank (the report
+        gathers the loss across them); rank 0's values are the ones sent."""
         self._extra_metrics.update(metrics)
 
-    def evaluate(self, dataset: Dataset, batch_size: int = 256,
-                 loss_per_sample: LossPerSample | None = None) -> dict[str, float]:
-        """Accuracy (and mean loss with ``loss_per_sample``) of the model on a held-out
-        dataset, split across the workers; every rank must call it. The result goes into
-        the current step's report as ``eval_accuracy`` / ``eval_loss``."""
+    def evaluate(self, dataset: Dataset, loss_per_sample: LossPerSample | None = None,
+                 batch_size: int = 256) -> dict[str, float]:
+        """The model on a held-out dataset, split across the workers; every rank must call
+        it. ``eval_accuracy`` when the outputs are class scores and the targets class ids,
+        ``eval_loss`` (the mean of ``loss_per_sample``) when it is given. The result also
+        goes into the current step's report."""
         model = self.model
         assert model is not None
         size = len(dataset)  # type: ignore[arg-type]
         start, end = share(size, self.world_size, self.rank)
         # FSDP gathers parameters in every forward: all ranks run the same number of them.
         rounds = math.ceil(math.ceil(size / self.world_size) / batch_size)
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # correct, samples with class scores, loss sum, samples
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         model.eval()
         with torch.no_grad():
             for r in range(rounds):
@@ -360,17 +367,22 @@ class TrainContext:
                 with self.precision.autocast():
                     outputs = model(inputs)
                 if hi <= lo:
-                    continue
-                totals[0] += (outputs.argmax(dim=1) == targets).sum()
-                totals[1] += len(idx)
+                    continue  # a forward to keep FSDP's collectives in step, nothing to count
+                if outputs.dim() == 2 and outputs.shape[1] > 1 \
+                        and not targets.is_floating_point():
+                    totals[0] += (outputs.argmax(dim=1) == targets).sum()
+                    totals[1] += len(idx)
                 if loss_per_sample is not None:
                     totals[2] += loss_per_sample(outputs.float(), targets).double().sum()
+                totals[3] += len(idx)
         model.train()
         if self.world_size > 1:
             dist.all_reduce(totals)
-        result = {"eval_accuracy": float(totals[0] / totals[1])}
-        if loss_per_sample is not None:
-            result["eval_loss"] = float(totals[2] / totals[1])
+        result = {}
+        if totals[1] > 0:
+            result["eval_accuracy"] = float(totals[0] / totals[1])
+        if loss_per_sample is not None and totals[3] > 0:
+            result["eval_loss"] = float(totals[2] / totals[3])
         self._extra_metrics.update(result)
         return result
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
+from jobs.workloads.text_classification_params import TextClassificationHyperparameters
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ WORKLOADS: dict[str, Workload] = {
             name="image-classification",
             hyperparameters=ImageClassificationHyperparameters,
             train_loop="jobs.workloads.image_classification:train_loop",
+        ),
+        Workload(
+            name="text-classification",
+            hyperparameters=TextClassificationHyperparameters,
+            train_loop="jobs.workloads.text_classification:train_loop",
         ),
     ]
 }

@@ -1,12 +1,15 @@
-"""The image-classification workload: a torchvision model on synthetic images or a folder."""
+"""The image-classification workload: a torchvision model (or a small CNN) on synthetic
+images, an ImageFolder tree or CIFAR-10, with a held-out evaluation after each epoch."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from elastic.loop import TrainContext
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
@@ -39,8 +42,10 @@ class SyntheticImages(Dataset):
     """Seeded images that carry their class (a per-class pattern plus noise), so a model can
     learn them and a loss curve means something. Sample ``i`` is the same on every node."""
 
-    def __init__(self, size: int, image_size: int, num_classes: int, seed: int) -> None:
-        self.size, self.num_classes, self.seed = size, num_classes, seed
+    def __init__(self, size: int, image_size: int, num_classes: int, seed: int,
+                 first: int = 0) -> None:
+        # ``first``: where a held-out set starts, past the training samples' noise.
+        self.size, self.num_classes, self.seed, self.first = size, num_classes, seed, first
         g = torch.Generator().manual_seed(seed)
         self.patterns = torch.randn(num_classes, 3, image_size, image_size, generator=g)
 
@@ -48,39 +53,113 @@ class SyntheticImages(Dataset):
         return self.size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        i += self.first
         label = i % self.num_classes
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         noise = torch.randn(self.patterns.shape[1:], generator=g)
         return self.patterns[label] + noise, label
 
 
-def build_dataset(hp: ImageClassificationHyperparameters) -> Dataset:
-    if hp.dataset == "synthetic":
-        return SyntheticImages(hp.synthetic_samples, hp.image_size, hp.num_classes, hp.seed)
-    from torchvision import datasets, transforms
+IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
-    assert hp.data_path is not None  # the spec guarantees it for imagefolder
-    return datasets.ImageFolder(
-        hp.data_path,
-        transform=transforms.Compose([
-            transforms.Resize(hp.image_size),
-            transforms.CenterCrop(hp.image_size),
-            transforms.ToTensor(),
-            transforms.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-        ]),
-    )
+
+def image_transforms(hp: ImageClassificationHyperparameters, train: bool,
+                     stats: tuple[tuple[float, ...], tuple[float, ...]]) -> Any:
+    """PIL image or uint8 CHW tensor -> normalised float tensor of ``image_size``. Training
+    adds the augmentations ``augment`` names. They draw from the worker's global RNG, so
+    unlike the rest of training they are not the same at every world size."""
+    from torchvision.transforms import v2
+
+    size = hp.image_size
+    steps: list[Any] = [v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+    if train and hp.augment != "none":
+        steps.append(v2.RandomCrop(size, padding=max(1, size // 8), padding_mode="reflect"))
+        if hp.augment == "crop_flip":
+            steps.append(v2.RandomHorizontalFlip())
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*stats)]
+    return v2.Compose(steps)
+
+
+class Cifar10(Dataset):
+    """CIFAR-10's python batches (``data_batch_1``..``5``, ``test_batch``) from a directory;
+    nothing is downloaded."""
+
+    def __init__(self, root: str, train: bool, transform: Any) -> None:
+        import pickle
+
+        names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        images, labels = [], []
+        for name in names:
+            path = Path(root) / name
+            if not path.exists():
+                raise FileNotFoundError(f"{path}: not a CIFAR-10 python batch (expected "
+                                        "data_batch_1..5 and test_batch in data_path)")
+            with path.open("rb") as f:
+                batch = pickle.load(f, encoding="bytes")
+            images.append(torch.from_numpy(batch[b"data"]).reshape(-1, 3, 32, 32))
+            labels += list(batch[b"labels"])
+        self.images = torch.cat(images)
+        self.labels = labels
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return self.transform(self.images[i]), self.labels[i]
+
+
+def build_datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dataset | None]:
+    """The training set and the held-out set evaluated after each epoch (None: no
+    evaluation)."""
+    if hp.dataset == "synthetic":
+        train = SyntheticImages(hp.synthetic_samples, hp.image_size, hp.num_classes, hp.seed)
+        held_out = SyntheticImages(hp.synthetic_eval_samples, hp.image_size, hp.num_classes,
+                                   hp.seed, first=hp.synthetic_samples)
+        return train, held_out if hp.synthetic_eval_samples else None
+    assert hp.data_path is not None  # the spec guarantees it
+    if hp.dataset == "cifar10":
+        return (Cifar10(hp.data_path, True, image_transforms(hp, True, CIFAR10_STATS)),
+                Cifar10(hp.data_path, False, image_transforms(hp, False, CIFAR10_STATS)))
+    from torchvision import datasets
+
+    train_tree = datasets.ImageFolder(hp.data_path,
+                                      transform=image_transforms(hp, True, IMAGENET_STATS))
+    if hp.eval_path is not None:
+        eval_tree = datasets.ImageFolder(hp.eval_path,
+                                         transform=image_transforms(hp, False, IMAGENET_STATS))
+        if eval_tree.classes != train_tree.classes:
+            raise ValueError(f"eval_path classes {eval_tree.classes} differ from data_path's "
+                             f"{train_tree.classes}")
+        return train_tree, eval_tree
+    if hp.eval_fraction == 0:
+        return train_tree, None
+    eval_tree = datasets.ImageFolder(hp.data_path,
+                                     transform=image_transforms(hp, False, IMAGENET_STATS))
+    order = np.random.default_rng(hp.seed).permutation(len(train_tree))
+    cut = int(len(order) * hp.eval_fraction)
+    return (Subset(train_tree, sorted(int(i) for i in order[cut:])),
+            Subset(eval_tree, sorted(int(i) for i in order[:cut])))
+
+
+def build_dataset(hp: ImageClassificationHyperparameters) -> Dataset:
+    return build_datasets(hp)[0]
 
 
 def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     hp = ImageClassificationHyperparameters.model_validate(config["hyperparameters"])
+    train, held_out = build_datasets(hp)
     criterion = nn.CrossEntropyLoss(reduction="none")
     model = ctx.prepare_model(build_model(hp), dtype=getattr(torch, hp.dtype))
     ctx.prepare_optimizer(torch.optim.SGD(
         model.parameters(), lr=hp.learning_rate, momentum=hp.momentum,
         weight_decay=hp.weight_decay))
     for batch in ctx.batches(
-        build_dataset(hp), hp.global_batch_size, epochs=hp.epochs, max_steps=hp.max_steps,
+        train, hp.global_batch_size, epochs=hp.epochs, max_steps=hp.max_steps,
         seed=hp.seed, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
         report_every_steps=hp.report_every_steps, record_samples=hp.record_samples,
     ):
         ctx.train_step(batch, criterion)
+        if batch.ends_epoch and held_out is not None:
+            ctx.evaluate(held_out, loss_per_sample=criterion)
