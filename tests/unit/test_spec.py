@@ -47,12 +47,13 @@ def test_gpus_mean_nccl() -> None:
         ({"scaling.min_workers": 3}, [("scaling.min_workers",
                                        "min_workers (3) must not exceed max_workers (2)")]),
         ({"workload": "nope"}, [("workload", "unknown workload 'nope': use one of "
-                                 "image-classification or a 'package.module:function' "
-                                 "entrypoint")]),
+                                 "image-classification, text-classification or a "
+                                 "'package.module:function' entrypoint")]),
         ({"workload": "os:system; rm -rf /"}, [("workload", "unknown workload "
                                                 "'os:system; rm -rf /': use one of "
-                                                "image-classification or a "
-                                                "'package.module:function' entrypoint")]),
+                                                "image-classification, text-classification "
+                                                "or a 'package.module:function' "
+                                                "entrypoint")]),
         ({"hyperparameters.learning_rate": -0.1},
          [("hyperparameters.learning_rate", "Input should be greater than 0")]),
         ({"hyperparameters.max_steps": ...},
@@ -61,7 +62,10 @@ def test_gpus_mean_nccl() -> None:
         ({"hyperparameters.dataset": "imagefolder"},
          [("hyperparameters.data_path", "data_path is required for dataset 'imagefolder'")]),
         ({"hyperparameters.model": "gpt5"},
-         [("hyperparameters.model", "Input should be 'resnet18' or 'small_cnn'")]),
+         [("hyperparameters.model", "Input should be 'resnet18', 'resnet34', 'resnet50', "
+           "'mobilenet_v3_small', 'efficientnet_b0' or 'small_cnn'")]),
+        ({"hyperparameters.dataset": "cifar10"},
+         [("hyperparameters.data_path", "data_path is required for dataset 'cifar10'")]),
         ({"hyperparameters.global_batch_size": 1},
          [("hyperparameters.global_batch_size",
            "global_batch_size (1) must be at least max_workers (2) so that every worker "
