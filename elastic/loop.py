@@ -41,7 +41,12 @@ from elastic.distributed import (
 )
 from elastic.sampling import SamplerPosition, advance, rank_indices, share, steps_per_epoch
 from elastic.schedule import lr_factor
-from elastic.worker import WorkerContext, position_from_dict, position_to_dict
+from elastic.worker import (
+    WorkerContext,
+    position_from_dict,
+    position_to_dict,
+    set_rng_state,
+)
 
 LossPerSample = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -164,7 +169,9 @@ class TrainContext:
         self.dtype: torch.dtype | None = None
         # Anything picklable a loop wants back after a restore (saved with each checkpoint).
         self.state: dict[str, Any] = {}
-        self._restored = worker.restore()
+        # The generators are restored when training starts, after the loop has built
+        # (and seeded) its model.
+        self._restored = worker.restore(set_rng=False)
         self.step = int(self._restored["step"]) if self._restored else 0
         self.position = position_from_dict(self._restored["sampler"]) \
             if self._restored else SamplerPosition()
@@ -253,6 +260,8 @@ class TrainContext:
         loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0,
                             collate_fn=collate_fn, pin_memory=self.device.type == "cuda")
         samples = _SampleLog(self.worker, record_samples)
+        if self._restored:
+            set_rng_state(self._restored.get("rng"))
         first_step = self.step + 1
         window_start, window_samples = time.perf_counter(), 0
         self.model.train()

@@ -106,14 +106,16 @@ class WorkerContext:
             self.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
         return info
 
-    def restore(self) -> dict[str, Any] | None:
-        """The state of the checkpoint this attempt starts from, if any."""
+    def restore(self, set_rng: bool = True) -> dict[str, Any] | None:
+        """The state of the checkpoint this attempt starts from, if any (and, unless told
+        otherwise, the random generators as they were when it was saved)."""
         if not self.resume_path:
             return None
         state = torch.load(
             Path(self.resume_path) / STATE_FILE, map_location="cpu", weights_only=False
         )
-        _set_rng_state(state.get("rng"))
+        if set_rng:
+            set_rng_state(state.get("rng"))
         return state
 
 
@@ -133,7 +135,7 @@ def _rng_state() -> dict[str, Any]:
     }
 
 
-def _set_rng_state(state: dict[str, Any] | None) -> None:
+def set_rng_state(state: dict[str, Any] | None) -> None:
     if not state:
         return
     torch.set_rng_state(state["torch"])
