@@ -9,6 +9,7 @@ group already formed (by Ray Train, or by a test's own processes).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -116,6 +117,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_sharded(model: nn.Module) -> bool:
+    # Importing FSDP pulls in torch._dynamo (~1.5 s on 2 cores): only when it can be FSDP.
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
