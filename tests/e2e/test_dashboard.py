@@ -1,0 +1,269 @@
+"""The web dashboard in a real headless Chromium (Debian's package, driven by Playwright),
+against the real service on a real multi-node Ray cluster. One browser and one server for
+the module; screenshots of every page go to test-artifacts/dashboard/ (printed at the end)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import TOKEN, ClusterPool, LiveServer, make_settings, small_job, wait_for
+
+pytestmark = pytest.mark.ray
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+DESKTOP = {"width": 1280, "height": 720}
+PHONE = {"width": 390, "height": 844}
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster: ClusterPool, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[LiveServer]:
+    with LiveServer(make_settings(tmp_path_factory.mktemp("dashboard"))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api(live: LiveServer) -> Iterator[httpx.Client]:
+    with live.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def page(live: LiveServer, request: pytest.FixtureRequest) -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: `apt-get install chromium`"
+    shutil.rmtree(ARTIFACTS, ignore_errors=True)
+    ARTIFACTS.mkdir(parents=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport=DESKTOP)
+        tab = context.new_page()
+        errors: list[str] = []
+        tab.on("pageerror", lambda e: errors.append(str(e)))
+        tab.goto(live.url + "/")
+        yield tab
+        browser.close()
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\ndashboard screenshots: {ARTIFACTS}")
+    assert errors == [], errors  # no uncaught JavaScript error on any page
+
+
+@pytest.fixture
+def pool(ray_cluster: ClusterPool) -> Iterator[ClusterPool]:
+    ray_cluster.restore_pool()
+    yield ray_cluster
+    ray_cluster.restore_pool()
+
+
+def shoot(page: Any, name: str) -> None:
+    """The page at 1280x720 and at a phone's width (charts re-fit on resize)."""
+    page.screenshot(path=ARTIFACTS / f"{name}-1280x720.png", full_page=True)
+    page.set_viewport_size(PHONE)
+    page.wait_for_timeout(300)
+    page.screenshot(path=ARTIFACTS / f"{name}-390x844.png", full_page=True)
+    page.set_viewport_size(DESKTOP)
+    page.wait_for_timeout(200)
+
+
+def sign_in(page: Any) -> None:
+    if page.evaluate("sessionStorage.getItem('etrain.token')") is None:
+        page.get_by_label("API token").fill(TOKEN)
+        page.get_by_role("button", name="Sign in").click()
+    page.get_by_role("heading", name="Jobs").wait_for()
+
+
+def go(page: Any, route: str) -> None:
+    page.evaluate(f"location.hash = {route!r}")
+
+
+def job_state(api: httpx.Client, job_id: str) -> str:
+    return str(api.get(f"/v1/jobs/{job_id}").json()["state"])
+
+
+def chart_column(page: Any, chart: str, column: int) -> list[Any]:
+    return list(page.evaluate(f"document.querySelector('#{chart}').chart.data[{column}]"))
+
+
+def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
+    page: Any, api: httpx.Client
+) -> None:
+    from playwright.sync_api import expect
+
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    page.get_by_label("API token").fill("not-the-token")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.locator("#token-error")).to_have_text("That token is not valid.")
+    shoot(page, "01-sign-in")
+    sign_in(page)
+    page.evaluate("window.notReloaded = true")
+
+    page.get_by_role("link", name="Submit", exact=True).click()
+    page.get_by_label("Name").fill("dash-demo")
+    page.get_by_label("Max steps").fill("30")
+    page.get_by_label("Global batch").fill("32")
+    page.get_by_label("Min workers").fill("1")
+    page.get_by_label("Max workers").fill("2")
+    page.get_by_label("Checkpoint every (steps)").fill("10")
+    shoot(page, "02-submit")
+    page.get_by_role("button", name="Submit job").click()
+
+    expect(page.get_by_role("status").filter(has_text="Submitted “dash-demo”")).to_be_visible()
+    row = page.locator("#jobs-table tbody tr", has_text="dash-demo")
+    expect(row).to_have_count(1)
+    expect(row).to_have_attribute("data-state", "succeeded", timeout=120_000)
+    expect(row.locator("td").nth(3)).to_have_text("30 / 30")  # the Step column
+    assert page.evaluate("window.notReloaded") is True  # the table followed /v1/events
+    (job,) = api.get("/v1/jobs").json()["items"]
+    assert job["name"] == "dash-demo" and job["state"] == "succeeded"
+    assert job["spec"]["hyperparameters"]["max_steps"] == 30
+    assert job["spec"]["hyperparameters"]["global_batch_size"] == 32
+    assert job["spec"]["scaling"] == {"min_workers": 1, "max_workers": 2,
+                                          "cpus_per_worker": 1.0, "gpus_per_worker": 0}
+    assert job["spec"]["checkpoint"] == {"every_steps": 10, "keep": 3}
+    shoot(page, "03-jobs")
+
+    row.get_by_role("link", name="dash-demo").click()
+    expect(page.locator("#job-title .state")).to_have_text("succeeded")
+    page.wait_for_function("() => document.querySelector('#chart-loss').dataset.points > 0")
+    steps = chart_column(page, "chart-loss", 0)
+    losses = chart_column(page, "chart-loss", 1)
+    assert steps == list(range(1, 31))  # every step reported, drawn once each
+    assert all(isinstance(v, float) and v > 0 for v in losses)
+    assert int(page.locator("#chart-rate").get_attribute("data-points") or 0) == 30
+    timeline = page.locator("#timeline li[data-kind=state] .what")
+    expect(timeline.first).to_have_text("running → succeeded")
+    expect(timeline).to_have_count(4)  # queued, starting, running, succeeded
+    expect(page.locator("#timeline li[data-kind=checkpoint_saved]")).to_have_count(3)
+    expect(page.locator("table.checkpoints tbody tr").first.locator("td").first).to_have_text(
+        "30")
+    expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
+    shoot(page, "04-job")
+
+
+def test_an_invalid_spec_shows_its_field_errors_and_creates_nothing(
+    page: Any, api: httpx.Client
+) -> None:
+    from playwright.sync_api import expect
+
+    sign_in(page)
+    before = len(api.get("/v1/jobs").json()["items"])
+    go(page, "#/submit")
+    page.get_by_label("Name").fill("bad/name")
+    page.get_by_label("Min workers").fill("3")
+    page.get_by_label("Max workers").fill("2")
+    page.get_by_role("button", name="Submit job").click()
+
+    expect(page.locator("#f-scaling-min_workers-error")).to_have_text(
+        "Value error, min_workers (3) must not exceed max_workers (2)")
+    expect(page.get_by_label("Min workers")).to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#f-name-error")).to_contain_text("String should match pattern")
+    expect(page.get_by_label("Max workers")).not_to_have_attribute("aria-invalid", "true")
+    expect(page.locator("#submit-errors")).to_contain_text("nothing was created")
+    shoot(page, "05-submit-errors")
+
+    page.get_by_role("tab", name="Raw JSON").click()
+    page.get_by_label("Job spec (JSON)").fill(
+        '{"name": "raw", "workload": "image-classification",'
+        ' "hyperparameters": {"max_steps": 5, "learning_rate": -1}}')
+    page.get_by_role("button", name="Submit JSON").click()
+    expect(page.locator("#submit-errors li")).to_have_text(
+        ["hyperparameters.learning_rate: Input should be greater than 0"])
+    assert len(api.get("/v1/jobs").json()["items"]) == before
+
+
+def test_cancel_a_running_job_from_its_page(page: Any, api: httpx.Client) -> None:
+    from playwright.sync_api import expect
+
+    sign_in(page)
+    spec = small_job(max_steps=1_000_000, report_every_steps=50)
+    spec |= {"name": "to-cancel", "scaling": {"min_workers": 1, "max_workers": 1}}
+    job = api.post("/v1/jobs", json=spec).json()
+    go(page, f"#/jobs/{job['id']}")
+    expect(page.locator("#job-title .state")).to_have_text("running", timeout=120_000)
+    page.get_by_role("button", name="Cancel job").click()
+    page.get_by_role("button", name="Yes, cancel it").click()
+
+    expect(page.locator("#job-title .state")).to_have_text("cancelled", timeout=30_000)
+    assert job_state(api, job["id"]) == "cancelled"
+    expect(page.locator("#timeline li[data-kind=state] .what").first).to_have_text(
+        "running → cancelled: cancelled by the user")
+    expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
+
+
+def test_a_killed_node_shows_on_the_world_size_chart_and_the_cluster_page(
+    page: Any, api: httpx.Client, pool: ClusterPool
+) -> None:
+    from playwright.sync_api import expect
+
+    sign_in(page)
+    spec = small_job(max_steps=1_000_000, report_every_steps=10, global_batch_size=63)
+    spec |= {"name": "elastic-demo",
+             "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}}
+    job = api.post("/v1/jobs", json=spec).json()
+    go(page, "#/cluster")
+
+    def at_three() -> bool:
+        j = api.get(f"/v1/jobs/{job['id']}").json()
+        return j["state"] == "running" and j["world_size"] == 3 and j["step"] >= 20
+    wait_for(at_three, 180, what="training at 3 workers")
+    cluster = api.get("/v1/cluster").json()
+    (placed,) = [j for j in cluster["jobs"] if j["id"] == job["id"]]
+    live_pool = {n["node_id"] for n in cluster["nodes"] if n["alive"] and not n["is_head"]}
+    assert sorted(placed["workers"]) == ["0", "1", "2"]
+    assert set(placed["workers"].values()) == live_pool  # one worker on each pool node
+    for node in cluster["nodes"]:
+        if node["node_id"] in live_pool:
+            assert [(w["job_id"], w["rank"]) for w in node["workers"]] == [
+                (job["id"], int(r)) for r, n in placed["workers"].items()
+                if n == node["node_id"]]
+            assert node["total"] == {"CPU": 1.0, "GPU": 0.0}
+            assert node["available"] == {"CPU": 0.0, "GPU": 0.0}
+    cluster_row = page.locator(f"#placement-table tr[data-job-id='{job['id']}'] li")
+    expect(cluster_row).to_have_count(3, timeout=10_000)
+    expect(page.locator("#nodes-table tbody tr")).to_have_count(4)  # the head and 3 workers
+    shoot(page, "06-cluster")
+
+    go(page, f"#/jobs/{job['id']}")
+    page.wait_for_function("() => document.querySelector('#chart-world').dataset.points > 0")
+    killed_at = time.time()
+    pool.kill_node(pool.pool[1])
+
+    def resized() -> bool:
+        j = api.get(f"/v1/jobs/{job['id']}").json()
+        assert j["state"] not in ("failed", "succeeded", "cancelled"), j
+        return j["state"] == "running" and j["world_size"] == 2 and j["step"] >= 1
+    wait_for(resized, 120, what="training at 2 workers")
+    world = page.locator("#chart-world")
+    expect(world.locator(".marker[data-kind=worker_lost]")).to_have_count(1, timeout=15_000)
+    expect(world.locator(".marker[data-kind=resized]")).to_have_count(1)
+    expect(world.locator(".marker[data-kind=restored]")).to_have_count(1)
+    page.wait_for_function(
+        "() => { const d = document.querySelector('#chart-world').chart.data;"
+        " return d[1].length && d[1][d[1].length - 1] === 2; }", timeout=15_000)
+    times, sizes = chart_column(page, "chart-world", 0), chart_column(page, "chart-world", 1)
+    before = [s for t, s in zip(times, sizes, strict=True) if t < killed_at]
+    after = [s for t, s in zip(times, sizes, strict=True) if t > killed_at + 1]
+    assert set(before) == {3} and after[-1] == 2 and 3 not in after[after.index(2):]
+    lost = world.locator(".marker[data-kind=worker_lost]")
+    lost.hover()
+    expect(lost.locator(".tip")).to_be_visible()
+    expect(lost.locator(".tip")).to_contain_text("lost 1 worker")
+    expect(lost.locator(".tip")).to_contain_text("at 3 workers")
+    expect(page.locator("#timeline li[data-kind=resized] .what")).to_contain_text(
+        "resized 3 → 2 workers")
+    page.screenshot(path=ARTIFACTS / "07-job-after-node-loss-hover-1280x720.png", full_page=True)
+    shoot(page, "08-job-after-node-loss")
+    api.post(f"/v1/jobs/{job['id']}/cancel")
+    wait_for(lambda: job_state(api, job["id"]) == "cancelled", 30, what="cancelled")
