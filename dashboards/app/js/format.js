@@ -95,14 +95,15 @@ export function describeEvent(event) {
   const d = event.data || {};
   switch (event.kind) {
     case "state":
-      return `${d.previous ?? "–"} → ${d.state}${d.world_size ? ` at ${d.world_size} workers` : ""}`
+      if (!d.previous) return `${d.state} (submitted)`;
+      return `${d.previous} → ${d.state}${d.world_size ? ` at ${plural(d.world_size, "worker")}` : ""}`
         + (d.reason ? `: ${d.reason}` : "");
     case "attempt_started":
-      return `attempt ${d.attempt} started with ${d.world_size} workers`
+      return `attempt ${d.attempt} started with ${plural(d.world_size, "worker")}`
         + (d.checkpoint_step != null ? ` from the checkpoint of step ${d.checkpoint_step}` : "");
     case "worker_lost":
       return `lost ${plural((d.ranks || []).length || (d.nodes || []).length, "worker")}`
-        + ` (rank ${(d.ranks || []).join(", ") || "?"}) at ${d.from_world} workers`;
+        + ` (rank ${(d.ranks || []).join(", ") || "?"}) at ${plural(d.from_world, "worker")}`;
     case "resized":
       return `resized ${d.from_world} → ${d.to_world} workers`
         + (d.checkpoint_step != null ? ` from step ${d.checkpoint_step}` : "")

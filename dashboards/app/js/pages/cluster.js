@@ -23,13 +23,13 @@ export function clusterPage(view, { signal }) {
     el("h1", {}, "Cluster"), summary,
     el("section", { "aria-labelledby": "nodes-title" },
       el("h2", { id: "nodes-title" }, "Nodes"),
-      el("div", { class: "table-wrap" }, el("table", { class: "nodes", id: "nodes-table" },
+      el("div", { class: "table-wrap" }, el("table", { class: "nodes cards", id: "nodes-table" },
         el("thead", {}, el("tr", {}, ["Node", "CPUs", "GPUs", "Workers"].map(
           (c) => el("th", { scope: "col" }, c)))), nodes)),
       dead),
     el("section", { "aria-labelledby": "placement-title" },
       el("h2", { id: "placement-title" }, "Workers by job"),
-      el("div", { class: "table-wrap" }, el("table", { class: "placement", id: "placement-table" },
+      el("div", { class: "table-wrap" }, el("table", { class: "placement cards", id: "placement-table" },
         el("thead", {}, el("tr", {}, ["Job", "State", "World size", "Workers (rank → node)"].map(
           (c) => el("th", { scope: "col" }, c)))), jobs)),
       jobsEmpty));

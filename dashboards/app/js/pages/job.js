@@ -22,6 +22,7 @@ export function jobPage(view, { params: [jobId], signal }) {
   let job = null;
   const events = [];
   const head = el("section", { class: "job-head" });
+  const subtitle = el("p", { class: "subtitle hint" });
   const actions = el("div", { class: "actions" });
   const charts = {};
   const timeline = el("ol", { class: "timeline", id: "timeline" });
@@ -42,6 +43,7 @@ export function jobPage(view, { params: [jobId], signal }) {
   view.append(
     el("p", { class: "crumbs" }, el("a", { href: "#/jobs" }, "← Jobs")),
     el("div", { class: "page-head" }, el("h1", { id: "job-title" }, "Job"), actions),
+    subtitle,
     head,
     chartGrid,
     el("p", { class: "legend-markers hint" }, "Markers on the world-size chart: ",
@@ -58,7 +60,7 @@ export function jobPage(view, { params: [jobId], signal }) {
         logs)),
     el("section", { "aria-labelledby": "ckpt-title" },
       el("h2", { id: "ckpt-title" }, "Checkpoints"),
-      el("div", { class: "table-wrap" }, el("table", { class: "checkpoints" },
+      el("div", { class: "table-wrap" }, el("table", { class: "checkpoints cards" },
         el("thead", {}, el("tr", {}, ["Step", "Saved", "Size", "Path"].map(
           (c) => el("th", { scope: "col" }, c)))),
         checkpoints)),
@@ -82,9 +84,9 @@ export function jobPage(view, { params: [jobId], signal }) {
         stat("Samples/s", rate(job.samples_per_s)),
         stat("Restarts", String(job.restarts)),
         stat("Started", clock(job.started_at)),
-        stat("Duration", duration(jobDuration(job))),
-        stat("Owner", job.owner),
-        stat("Id", el("code", {}, job.id))));
+        stat("Duration", duration(jobDuration(job)))));
+    subtitle.replaceChildren(el("code", {}, job.id), ` · ${job.workload} · submitted by `
+      + `${job.owner} at ${clock(job.created_at)}`);
     const ended = TERMINAL.has(job.state);
     if (ended !== actionsEnded) renderActions(); // not on every refresh: it would take focus
   }
@@ -203,8 +205,10 @@ export function jobPage(view, { params: [jobId], signal }) {
   async function loadCheckpoints() {
     const list = await api(`v1/jobs/${jobId}/checkpoints`, { signal });
     checkpoints.replaceChildren(...list.items.slice().reverse().map((c) => el("tr", {},
-      el("td", {}, String(c.step)), el("td", {}, clock(c.created_at)),
-      el("td", {}, bytes(c.size_bytes)), el("td", {}, el("code", {}, c.path)))));
+      el("td", { dataset: { label: "Step" } }, String(c.step)),
+      el("td", { dataset: { label: "Saved" } }, clock(c.created_at)),
+      el("td", { dataset: { label: "Size" } }, bytes(c.size_bytes)),
+      el("td", { dataset: { label: "Path" } }, el("code", {}, c.path)))));
     checkpointsEmpty.hidden = list.items.length > 0;
   }
 

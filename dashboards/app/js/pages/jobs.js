@@ -21,7 +21,7 @@ export function jobsPage(view, { signal }) {
   const body = el("tbody");
   const empty = el("p", { class: "empty" }, "No jobs yet. ",
     el("a", { href: "#/submit" }, "Submit one"), ".");
-  const table = el("table", { class: "jobs", id: "jobs-table" },
+  const table = el("table", { class: "jobs cards", id: "jobs-table" },
     el("caption", { class: "visually-hidden" }, "Jobs, newest first"),
     el("thead", {}, el("tr", {}, COLUMNS.map((c) => el("th", { scope: "col" }, c)))),
     body);
