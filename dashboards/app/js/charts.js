@@ -40,14 +40,20 @@ function placeMarkerButtons(u, markers) {
   }
   layer.replaceChildren();
   const width = u.over.clientWidth;
+  let lastLeft = -Infinity;
+  let stack = 0;
   markers.forEach((m) => {
     const left = u.valToPos(m.x, "x");
     if (left < 0 || left > width) return;
+    // Events within a few pixels of each other (a resize and its restore) stack downwards.
+    stack = left - lastLeft < 14 ? stack + 1 : 0;
+    lastLeft = left;
     const button = document.createElement("button");
     button.type = "button";
     button.className = `marker marker-${m.kind}`;
     button.dataset.kind = m.kind;
     button.style.left = `${left}px`;
+    button.style.top = `${stack * 20 - 2}px`;
     button.style.setProperty("--marker", MARKER_COLORS[m.kind] || "#64748b");
     button.setAttribute("aria-label", `${m.label} at ${clock(m.x)}`);
     const tip = document.createElement("span");

@@ -45,8 +45,8 @@ export function clusterPage(view, { signal }) {
       + ` free of ${number(sum("total", "GPU"), 3)}.`;
     const names = new Map(c.nodes.map((n) => [n.node_id, n]));
     nodes.replaceChildren(...alive.map((n) => el("tr", { dataset: { nodeId: n.node_id } },
-      el("th", { scope: "row", dataset: { label: "Node" } }, el("code", {}, nodeName(n)),
-        n.is_head ? el("span", { class: "tag" }, "head") : ""),
+      el("th", { scope: "row", dataset: { label: "Node" } }, el("span", {},
+        el("code", {}, nodeName(n)), n.is_head ? el("span", { class: "tag" }, "head") : "")),
       el("td", { dataset: { label: "CPUs" } }, meter("CPUs", n.available.CPU, n.total.CPU)),
       el("td", { dataset: { label: "GPUs" } }, meter("GPUs", n.available.GPU, n.total.GPU)),
       el("td", { dataset: { label: "Workers" } }, n.workers.length

@@ -142,7 +142,7 @@ export function jobPage(view, { params: [jobId], signal }) {
   });
   charts.rate = lineChart(view.querySelector("#chart-rate"), {
     xTime: true,
-    series: [{ label: "samples/s", color: "rate" }],
+    series: [{ label: "samples/s", color: "rate", spanGaps: false }],
   });
   charts.world = lineChart(view.querySelector("#chart-world"), {
     xTime: true,
@@ -160,7 +160,12 @@ export function jobPage(view, { params: [jobId], signal }) {
     const steps = [...byStep.keys()].sort((a, b) => a - b);
     const at = steps.map((s) => byStep.get(s));
     charts.loss.update([steps, at.map((i) => c.loss[i]), at.map((i) => c.accuracy[i])]);
-    charts.rate.update([c.time, c.samples_per_s]);
+    // A gap while the job restarted is a gap, not a line: a null at each later attempt.
+    const rate = c.time.map((t, i) => [t, c.samples_per_s[i]]);
+    events.filter((e) => e.kind === "attempt_started" && e.data.attempt > 1)
+      .forEach((e) => rate.push([e.time, null]));
+    rate.sort((a, b) => a[0] - b[0]);
+    charts.rate.update([rate.map((p) => p[0]), rate.map((p) => p[1])]);
     // World size: what the metrics saw, plus each attempt's start and the job's end.
     const points = c.time.map((t, i) => [t, c.world_size[i]]);
     for (const e of events) {
