@@ -221,7 +221,7 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     go(page, f"#/jobs/{job['id']}")
     page.wait_for_function("() => document.querySelector('#chart-world').dataset.points > 0")
     killed_at = time.time()
-    (victim,) = [n for n in pool.pool if n.unique_id == placed["workers"]["1"]]
+    (victim,) = [n for n in pool.pool if n.node_id == placed["workers"]["1"]]
     pool.kill_node(victim)
 
     def shrunk() -> bool:
