@@ -7,6 +7,11 @@ PIP := $(PY) -m pip --disable-pip-version-check
 DEPS_HASH := $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-12)
 RUN_STAMP := $(VENV)/.installed-run-$(DEPS_HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(DEPS_HASH)
+# The dashboard's JavaScript (its chart library) from npm, re-installed when the lock changes.
+JS_HASH := $(shell cat dashboards/package.json dashboards/package-lock.json | sha256sum | cut -c1-12)
+JS_STAMP := dashboards/node_modules/.installed-$(JS_HASH)
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test lint typecheck clean
 
@@ -22,10 +27,20 @@ $(TEST_STAMP): | $(PY)
 	$(PIP) install -c constraints.txt -e '.[test]'
 	@touch $@ $(RUN_STAMP)
 
-run: $(RUN_STAMP)
+$(JS_STAMP):
+	@command -v npm >/dev/null || { echo "npm (Node.js 18+) is needed for the dashboard's JavaScript"; exit 1; }
+	cd dashboards && npm ci --no-audit --no-fund
+	@touch $@
+
+# The browser tests drive Debian's Chromium (Playwright never downloads a browser here).
+$(CHROMIUM):
+	$(SUDO) apt-get update
+	$(SUDO) apt-get install -y chromium
+
+run: $(RUN_STAMP) $(JS_STAMP)
 	$(VENV)/bin/etrain serve
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic tests bench
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -ra --durations=15
@@ -35,4 +50,4 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check service jobs elastic tests bench
 
 clean:
-	rm -rf $(VENV) .etrain
+	rm -rf $(VENV) .etrain dashboards/node_modules

@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
 from jobs import launcher
-from service import api, problems
+from service import api, cluster_api, dashboard, problems
 from service.auth import resolve_admin_token
 from service.control import JobControl
 from service.problems import Problem
@@ -56,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.admin_token, _ = resolve_admin_token(settings)
     problems.install(app)
     app.include_router(api.router)
+    app.include_router(cluster_api.router)
     # Swagger UI from the PyPI package's files: /docs works with no internet.
     app.mount("/docs-assets", StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
 
@@ -82,4 +83,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise Problem(503, "Not ready", "not connected to Ray yet")
         return JSONResponse({"status": "ready"})
 
+    dashboard.install(app)  # last: its / and /ui routes must not shadow the ones above
     return app

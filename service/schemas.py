@@ -94,3 +94,34 @@ def downsample(total: int, every: int | None = None, points: int | None = None) 
     if keep[-1] != total - 1:
         keep.append(total - 1)
     return keep
+
+
+class ClusterWorker(BaseModel):
+    job_id: str
+    job_name: str
+    rank: int
+
+
+class ClusterNode(BaseModel):
+    node_id: str
+    address: str
+    alive: bool
+    is_head: bool
+    # CPU and GPU: what the node has, and what is free now
+    total: dict[str, float]
+    available: dict[str, float]
+    workers: list[ClusterWorker]
+
+
+class ClusterJob(BaseModel):
+    id: str
+    name: str
+    state: JobState
+    world_size: int
+    # rank -> node id of the job's current attempt, as its workers registered
+    workers: dict[int, str]
+
+
+class ClusterOut(BaseModel):
+    nodes: list[ClusterNode]
+    jobs: list[ClusterJob]

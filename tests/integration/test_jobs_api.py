@@ -48,6 +48,7 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
         ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/jobs/{job_id}/checkpoints"),
         ("GET", "/v1/jobs/{job_id}/events"), ("GET", "/v1/jobs/{job_id}/metrics"),
         ("GET", "/v1/jobs/{job_id}/logs"), ("GET", "/v1/events"),
+        ("GET", "/v1/cluster"),
     }
     assert set(paths) - {p for _, p in routes} == {"/healthz", "/readyz"}
     for method, path in routes:

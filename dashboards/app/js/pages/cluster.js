@@ -1,0 +1,86 @@
+// Cluster: the Ray nodes with their CPUs/GPUs, and which job holds which workers.
+import { api, sleep } from "../api.js";
+import { el, number, plural, stateBadge } from "../format.js";
+
+const REFRESH_MS = 3000;
+
+function meter(label, free, total) {
+  if (!total) return el("span", { class: "muted" }, "none");
+  const used = total - free;
+  return el("span", { class: "meter-cell" },
+    el("span", { class: "num" }, `${number(used, 3)} / ${number(total, 3)} used`),
+    el("meter", { min: 0, max: total, value: used, "aria-label": `${label} used` }));
+}
+
+export function clusterPage(view, { signal }) {
+  document.title = "Cluster · elastic-train";
+  const summary = el("p", { class: "summary", id: "cluster-summary" }, "Loading…");
+  const nodes = el("tbody");
+  const jobs = el("tbody");
+  const jobsEmpty = el("p", { class: "empty" }, "No job holds workers now.");
+  const dead = el("details", { class: "dead-nodes" });
+  view.append(
+    el("h1", {}, "Cluster"), summary,
+    el("section", { "aria-labelledby": "nodes-title" },
+      el("h2", { id: "nodes-title" }, "Nodes"),
+      el("div", { class: "table-wrap" }, el("table", { class: "nodes cards", id: "nodes-table" },
+        el("thead", {}, el("tr", {}, ["Node", "CPUs", "GPUs", "Workers"].map(
+          (c) => el("th", { scope: "col" }, c)))), nodes)),
+      dead),
+    el("section", { "aria-labelledby": "placement-title" },
+      el("h2", { id: "placement-title" }, "Workers by job"),
+      el("div", { class: "table-wrap" }, el("table", { class: "placement cards", id: "placement-table" },
+        el("thead", {}, el("tr", {}, ["Job", "State", "World size", "Workers (rank → node)"].map(
+          (c) => el("th", { scope: "col" }, c)))), jobs)),
+      jobsEmpty));
+
+  const nodeName = (n) => `${n.address || "?"} · ${n.node_id.slice(0, 8)}`;
+
+  function render(c) {
+    const alive = c.nodes.filter((n) => n.alive);
+    const gone = c.nodes.filter((n) => !n.alive);
+    const sum = (key, res) => alive.reduce((a, n) => a + (n[key][res] || 0), 0);
+    summary.textContent = `${plural(alive.length, "live node")}; CPUs ${number(sum("available", "CPU"), 3)}`
+      + ` free of ${number(sum("total", "CPU"), 3)}; GPUs ${number(sum("available", "GPU"), 3)}`
+      + ` free of ${number(sum("total", "GPU"), 3)}.`;
+    const names = new Map(c.nodes.map((n) => [n.node_id, n]));
+    nodes.replaceChildren(...alive.map((n) => el("tr", { dataset: { nodeId: n.node_id } },
+      el("th", { scope: "row", dataset: { label: "Node" } }, el("span", {},
+        el("code", {}, nodeName(n)), n.is_head ? el("span", { class: "tag" }, "head") : "")),
+      el("td", { dataset: { label: "CPUs" } }, meter("CPUs", n.available.CPU, n.total.CPU)),
+      el("td", { dataset: { label: "GPUs" } }, meter("GPUs", n.available.GPU, n.total.GPU)),
+      el("td", { dataset: { label: "Workers" } }, n.workers.length
+        ? el("ul", { class: "chips" }, n.workers.map((w) => el("li", {},
+          el("a", { href: `#/jobs/${w.job_id}` }, w.job_name), ` rank ${w.rank}`)))
+        : el("span", { class: "muted" }, "idle")))));
+    dead.hidden = gone.length === 0;
+    dead.replaceChildren(el("summary", {}, `${plural(gone.length, "dead node")} (not shown above)`),
+      el("ul", {}, gone.map((n) => el("li", {}, el("code", {}, nodeName(n))))));
+    jobs.replaceChildren(...c.jobs.map((j) => el("tr", { dataset: { jobId: j.id } },
+      el("th", { scope: "row", dataset: { label: "Job" } },
+        el("a", { href: `#/jobs/${j.id}` }, j.name)),
+      el("td", { dataset: { label: "State" } }, stateBadge(j.state)),
+      el("td", { dataset: { label: "World size" } }, String(j.world_size)),
+      el("td", { dataset: { label: "Workers" } }, Object.keys(j.workers).length
+        ? el("ul", { class: "chips" }, Object.entries(j.workers).map(([rank, id]) => {
+          const node = names.get(id);
+          return el("li", { class: node && !node.alive ? "gone" : null },
+            `${rank} → `, el("code", {}, node ? nodeName(node) : id.slice(0, 8)),
+            node && !node.alive ? " (dead)" : "");
+        }))
+        : el("span", { class: "muted" }, "none placed yet")))));
+    jobsEmpty.hidden = c.jobs.length > 0;
+  }
+
+  (async () => {
+    while (!signal.aborted) {
+      try {
+        render(await api("v1/cluster", { signal }));
+      } catch (err) {
+        if (signal.aborted) return;
+        summary.textContent = `Could not read the cluster: ${err.message}`;
+      }
+      await sleep(REFRESH_MS, signal);
+    }
+  })();
+}

@@ -1,0 +1,35 @@
+"""GET /v1/cluster: the nodes, their CPUs/GPUs, and which job holds which workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+
+from jobs import cluster
+from service.auth import require_token
+from service.schemas import ClusterJob, ClusterNode, ClusterOut, ClusterWorker
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+
+@router.get("/cluster", response_model=ClusterOut,
+            summary="The Ray nodes with their CPUs/GPUs, and the workers each job holds")
+async def get_cluster(request: Request) -> ClusterOut:
+    store = request.app.state.store
+    namespace = request.app.state.settings.ray_namespace
+    nodes, active = await asyncio.gather(asyncio.to_thread(cluster.nodes),
+                                         asyncio.to_thread(store.active_jobs))
+    placed = await cluster.worker_nodes([j.id for j in active], namespace)
+    jobs = [ClusterJob(id=j.id, name=j.name, state=j.state, world_size=j.world_size,
+                       workers=placed.get(j.id, {}))
+            for j in active]
+    on_node: dict[str, list[ClusterWorker]] = {}
+    for job in jobs:
+        for rank, node_id in sorted(job.workers.items()):
+            on_node.setdefault(node_id, []).append(
+                ClusterWorker(job_id=job.id, job_name=job.name, rank=rank))
+    return ClusterOut(
+        nodes=[ClusterNode(**n, workers=on_node.get(n["node_id"], [])) for n in nodes],
+        jobs=jobs,
+    )

@@ -1,0 +1,53 @@
+"""The dashboard's static files at / and /ui: no token, out of the OpenAPI schema, no route
+shadowed, and a clear page when npm has not installed the chart library. No Ray needed:
+the app's lifespan (which connects to Ray) is not entered."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service import dashboard
+from service.app import create_app
+from tests.conftest import make_settings
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> TestClient:
+    return TestClient(create_app(make_settings(tmp_path)))
+
+
+def test_the_app_and_its_library_are_served_without_a_token(client: TestClient) -> None:
+    assert dashboard.missing_dependencies() == [], "run `npm ci` in dashboards/ (make test does)"
+    page = client.get("/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in page.headers["content-security-policy"]
+    assert '<script type="module" src="ui/js/main.js">' in page.text
+    script = client.get("/ui/js/main.js")
+    assert script.status_code == 200
+    assert "javascript" in script.headers["content-type"]
+    library = client.get("/ui/vendor/uplot/uPlot.esm.js")
+    assert library.status_code == 200 and "export" in library.text
+    assert client.get("/ui/vendor/uplot/package.json").status_code == 404  # dist/ only
+    assert client.get("/ui/nope.js").status_code == 404
+
+
+def test_the_dashboard_stays_out_of_the_schema_and_shadows_nothing(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    assert not [p for p in paths if not p.startswith("/v1/") and p not in ("/healthz", "/readyz")]
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/docs").status_code == 200
+    assert client.get("/v1/jobs").status_code == 401  # the API still wants its token
+    assert client.get("/v1/cluster").status_code == 401
+
+
+def test_without_npm_ci_the_page_says_what_to_run(client: TestClient, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(dashboard.VENDOR, "uplot", tmp_path / "node_modules" / "uplot" / "dist")
+    page = client.get("/")
+    assert page.status_code == 503
+    assert "<code>npm ci</code> in <code>dashboards/</code>" in page.text
+    assert "uplot/uPlot.esm.js" in page.text
