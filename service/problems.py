@@ -58,7 +58,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        titles = {404: "Not found", 405: "Method not allowed", 401: "Unauthorized"}
+        titles = {404: "Not found", 405: "Method not allowed", 401: "Unauthorized",
+                  413: "Request body too large"}
         p = Problem(exc.status_code, titles.get(exc.status_code, "HTTP error"),
                     str(exc.detail) if exc.detail else None, headers=dict(exc.headers or {}))
         return problem_response(request, p)

@@ -51,6 +51,17 @@ class Settings(BaseSettings):
         description="The bearer token every API call must carry. Unset: one is generated on "
         "first start, stored in data_dir/admin-token and printed.",
     )
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, le=1 << 30,
+        description="Largest request body accepted; a bigger one is answered 413.",
+    )
+    rate_limit_per_s: float = Field(
+        50.0, ge=0, description="Requests a second each API token may make on average "
+        "(0: no limit); over it the answer is 429 with Retry-After.",
+    )
+    rate_limit_burst: int = Field(
+        200, ge=1, description="Requests a token may make at once before the rate applies.",
+    )
     entrypoint_modules: list[str] = Field(
         default_factory=list,
         description="Modules (or packages) whose functions jobs may name as a custom "
