@@ -16,7 +16,7 @@ from jobs.state import JobState
 from service import streams
 from service.auth import Caller, require_token
 from service.control import JobControl
-from service.problems import Problem
+from service.problems import PROBLEM_RESPONSES, Problem
 from service.schemas import (
     CheckpointList,
     EventPage,
@@ -30,7 +30,8 @@ from service.schemas import (
 )
 from service.store import Store
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)],
+                   responses=PROBLEM_RESPONSES)
 
 CallerDep = Annotated[Caller, Depends(require_token)]
 # A key reserved this long without a job belongs to a submission that died with the

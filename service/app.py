@@ -33,9 +33,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        token = settings.ray_auth_token
         await asyncio.to_thread(
             launcher.connect, settings.ray_address, settings.ray_namespace,
-            settings.ray_num_cpus, settings.ray_num_gpus)
+            settings.ray_num_cpus, settings.ray_num_gpus,
+            token.get_secret_value() if token else None, settings.ray_auth_token_path)
         _reclaim_sigterm()
         control = JobControl(settings, app.state.store, app.state.hub)
         app.state.control = control

@@ -30,6 +30,16 @@ class Settings(BaseSettings):
         description="Address of an existing Ray cluster (e.g. ray://head:10001 or head:6379). "
         "Unset: the service starts a local Ray instance itself.",
     )
+    ray_auth_token: SecretStr | None = Field(
+        None,
+        description="Token for a Ray cluster started with RAY_AUTH_MODE=token (Ray's own "
+        "token authentication); used with ray_address. Unset: Ray's own RAY_AUTH_* "
+        "variables, if any, apply.",
+    )
+    ray_auth_token_path: str | None = Field(
+        None, description="A file holding that token instead (e.g. a mounted Kubernetes "
+        "secret).",
+    )
     ray_namespace: str = Field(
         "elastic-train",
         description="Ray namespace that holds the job supervisors; the service finds them "

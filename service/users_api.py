@@ -8,11 +8,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, status
 
 from service.auth import require_admin
-from service.problems import Problem
+from service.problems import PROBLEM_RESPONSES, Problem
 from service.schemas import TokenCreated, TokenIn, TokenList, TokenOut, UserIn, UserList, UserOut
 from service.store import Store
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_admin)], tags=["access"])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_admin)], tags=["access"],
+                   responses=PROBLEM_RESPONSES)
 
 
 def _store(request: Request) -> Store:
