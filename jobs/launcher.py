@@ -30,17 +30,33 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 _LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+def ray_auth_env(token: str | None, token_path: str | None) -> dict[str, str]:
+    """The variables that make Ray's clients (this driver, and Ray's own C++ core) present
+    a token to a cluster started with ``RAY_AUTH_MODE=token``. Empty: no token configured,
+    and whatever the environment already says stays in force."""
+    if token:
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    if token_path:
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token_path}
+    return {}
+
+
 def connect(
     address: str | None,
     namespace: str,
     num_cpus: int | None = None,
     num_gpus: int | None = None,
+    auth_token: str | None = None,
+    auth_token_path: str | None = None,
 ) -> None:
-    """Join ``address``, or start a local Ray instance when it is None. A no-op when this
-    process is already connected (tests share one cluster)."""
+    """Join ``address`` (with Ray's token authentication when a token is given), or start a
+    local Ray instance when it is None. A no-op when this process is already connected
+    (tests share one cluster)."""
     if ray.is_initialized():
         return
     if address:
+        # Read by Ray's C++ token loader at init: it must be in the environment first.
+        os.environ.update(ray_auth_env(auth_token, auth_token_path))
         ray.init(address=address, namespace=namespace, log_to_driver=False)
         return
     keep_ray_on_loopback()

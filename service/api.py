@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
 from jobs.spec import JobSpec
 from jobs.state import JobState
 from service import streams
-from service.auth import require_token
+from service.auth import Caller, require_token
 from service.control import JobControl
-from service.problems import Problem
+from service.problems import PROBLEM_RESPONSES, Problem
 from service.schemas import (
     CheckpointList,
     EventPage,
@@ -22,14 +24,19 @@ from service.schemas import (
     JobPage,
     LogLine,
     LogPage,
+    Me,
     MetricSeries,
     downsample,
 )
 from service.store import Store
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)],
+                   responses=PROBLEM_RESPONSES)
 
-Caller = Annotated[str, Depends(require_token)]
+CallerDep = Annotated[Caller, Depends(require_token)]
+# A key reserved this long without a job belongs to a submission that died with the
+# process (a real one takes seconds): a retry may take it over.
+IDEMPOTENCY_STALE_S = 120.0
 
 
 def _control(request: Request) -> JobControl:
@@ -44,18 +51,63 @@ Control = Annotated[JobControl, Depends(_control)]
 StoreDep = Annotated[Store, Depends(_store)]
 
 
-def _job(store: Store, job_id: str):
+def _job(store: Store, job_id: str, caller: Caller):
+    """The job, if the caller may see it: another user's job is as absent as a missing one,
+    so that ids cannot be probed."""
     job = store.get_job(job_id)
-    if job is None:
+    if job is None or not caller.may_see(job.owner):
         raise Problem(404, "Not found", f"no job {job_id!r}")
     return job
 
 
-@router.post("/jobs", status_code=status.HTTP_201_CREATED, response_model=JobOut,
-             summary="Submit a training job")
-async def submit_job(spec: JobSpec, response: Response, control: Control,
-                     caller: Caller) -> JobOut:
-    job = await control.submit(spec, owner=caller)
+@router.get("/me", response_model=Me, summary="Who the token belongs to")
+def me(caller: CallerDep) -> Me:
+    return Me(user=caller.user, role=caller.role)
+
+
+def _fingerprint(spec: JobSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
+                          ).hexdigest()
+
+
+@router.post(
+    "/jobs", status_code=status.HTTP_201_CREATED, response_model=JobOut,
+    summary="Submit a training job",
+    description="With an `Idempotency-Key` header, a retry with the same key and body "
+    "answers 200 with the job the first request made; the same key with another body is "
+    "422, and a retry while the first request is still being processed is 409.",
+    responses={200: {"model": JobOut, "description": "A replay of an earlier submission"}},
+)
+async def submit_job(
+    spec: JobSpec, request: Request, response: Response, control: Control, caller: CallerDep,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
+) -> JobOut:
+    store = _store(request)
+    if idempotency_key is not None:
+        fingerprint = _fingerprint(spec)
+        held = await asyncio.to_thread(store.claim_idempotency_key, caller.user,
+                                       idempotency_key, fingerprint, IDEMPOTENCY_STALE_S)
+        if held is not None:
+            if held.fingerprint != fingerprint:
+                raise Problem(422, "Idempotency-Key reused",
+                              "this Idempotency-Key was used with a different request body",
+                              errors=[{"field": "Idempotency-Key",
+                                       "message": "already used with a different body"}])
+            if held.job_id is None:
+                raise Problem(409, "Request in progress", "a request with this "
+                              "Idempotency-Key is still being processed; retry later",
+                              headers={"Retry-After": "1"})
+            job = await asyncio.to_thread(_job, store, held.job_id, caller)
+            response.status_code = status.HTTP_200_OK
+            response.headers["Location"] = f"/v1/jobs/{job.id}"
+            return JobOut.model_validate(job)
+    try:
+        job = await control.submit(spec, owner=caller.user, idempotency_key=idempotency_key)
+    except BaseException:
+        if idempotency_key is not None:
+            await asyncio.to_thread(store.release_idempotency_key, caller.user,
+                                    idempotency_key)
+        raise
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.model_validate(job)
 
@@ -63,12 +115,14 @@ async def submit_job(spec: JobSpec, response: Response, control: Control,
 @router.get("/jobs", response_model=JobPage, summary="List jobs, newest first")
 def list_jobs(
     store: StoreDep,
+    caller: CallerDep,
     state: JobState | None = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=200)] = None,
 ) -> JobPage:
     try:
-        page = store.list_jobs(state, limit, cursor)
+        page = store.list_jobs(state, limit, cursor,
+                               owner=None if caller.is_admin else caller.user)
     except ValueError as e:
         raise Problem(400, "Invalid request", f"cursor: {e}") from e
     return JobPage(items=[JobOut.model_validate(j) for j in page.items],
@@ -76,19 +130,21 @@ def list_jobs(
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut, summary="One job")
-def get_job(job_id: str, store: StoreDep) -> JobOut:
-    return JobOut.model_validate(_job(store, job_id))
+def get_job(job_id: str, store: StoreDep, caller: CallerDep) -> JobOut:
+    return JobOut.model_validate(_job(store, job_id, caller))
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, summary="Cancel a job")
-async def cancel_job(job_id: str, control: Control) -> JobOut:
+async def cancel_job(job_id: str, store: StoreDep, control: Control,
+                     caller: CallerDep) -> JobOut:
+    await asyncio.to_thread(_job, store, job_id, caller)
     return JobOut.model_validate(await control.cancel(job_id))
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList,
             summary="The job's retained checkpoints, oldest first")
-def list_checkpoints(job_id: str, store: StoreDep) -> CheckpointList:
-    _job(store, job_id)
+def list_checkpoints(job_id: str, store: StoreDep, caller: CallerDep) -> CheckpointList:
+    _job(store, job_id, caller)
     return CheckpointList.model_validate({"items": store.checkpoints(job_id)})
 
 
@@ -131,11 +187,12 @@ async def list_events(
     job_id: str,
     request: Request,
     store: StoreDep,
+    caller: CallerDep,
     after: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
     kind: Annotated[list[str] | None, Query(max_length=20)] = None,
 ) -> Any:
-    await asyncio.to_thread(_job, store, job_id)
+    await asyncio.to_thread(_job, store, job_id, caller)
     kinds = tuple(kind) if kind else None
     if _wants_sse(request):
         return _job_stream(request, store, job_id, after, kinds)
@@ -149,10 +206,11 @@ async def list_events(
 def get_metrics(
     job_id: str,
     store: StoreDep,
+    caller: CallerDep,
     every: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
     points: Annotated[int | None, Query(ge=2, le=100_000)] = None,
 ) -> MetricSeries:
-    _job(store, job_id)
+    _job(store, job_id, caller)
     if every is not None and points is not None:
         raise Problem(400, "Invalid request", "every, points: give one of them, not both")
     columns = store.metrics(job_id)
@@ -173,11 +231,12 @@ async def get_logs(
     job_id: str,
     request: Request,
     store: StoreDep,
+    caller: CallerDep,
     after: Annotated[int, Query(ge=0)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
     follow: bool = False,
 ) -> Any:
-    await asyncio.to_thread(_job, store, job_id)
+    await asyncio.to_thread(_job, store, job_id, caller)
     if follow:
         return _job_stream(request, store, job_id, after, ("log",))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
@@ -189,12 +248,13 @@ async def get_logs(
 
 @router.get(
     "/events",
-    summary="Live job-level changes across all jobs (Server-Sent Events)",
+    summary="Live job-level changes across the caller's jobs (all jobs for an admin), as "
+    "Server-Sent Events",
     description="Each message is `event: job` with `data: {type, job}`, `type` one of "
     "created, state, resized. After a reconnect, reload the job list.",
     responses={200: {"content": {"text/event-stream": {}}}},
 )
-async def all_events(request: Request) -> StreamingResponse:
+async def all_events(request: Request, caller: CallerDep) -> StreamingResponse:
     settings = request.app.state.settings
     return _sse(streams.all_jobs(request.app.state.hub, settings.sse_keepalive_s,
-                                 lambda job: True))
+                                 lambda job: caller.may_see(job["owner"])))

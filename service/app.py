@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -14,9 +16,10 @@ from fastapi.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
 from jobs import launcher
-from service import api, cluster_api, dashboard, problems
-from service.auth import resolve_admin_token
+from service import api, cluster_api, dashboard, problems, users_api
+from service.auth import BOOTSTRAP_ADMIN, RateLimiter, resolve_admin_token
 from service.control import JobControl
+from service.limits import BodySizeLimit
 from service.problems import Problem
 from service.settings import Settings
 from service.store import Store
@@ -30,9 +33,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        token = settings.ray_auth_token
         await asyncio.to_thread(
             launcher.connect, settings.ray_address, settings.ray_namespace,
-            settings.ray_num_cpus, settings.ray_num_gpus)
+            settings.ray_num_cpus, settings.ray_num_gpus,
+            token.get_secret_value() if token else None, settings.ray_auth_token_path)
+        _reclaim_sigterm()
         control = JobControl(settings, app.state.store, app.state.hub)
         app.state.control = control
         control.start()
@@ -52,10 +58,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.store = Store(settings.resolved_database_url)
+    app.state.store.ensure_user(BOOTSTRAP_ADMIN, "admin")
     app.state.hub = Hub(settings.sse_client_buffer)
     app.state.admin_token, _ = resolve_admin_token(settings)
+    app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     problems.install(app)
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.include_router(api.router)
+    app.include_router(users_api.router)
     app.include_router(cluster_api.router)
     # Swagger UI from the PyPI package's files: /docs works with no internet.
     app.mount("/docs-assets", StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
@@ -85,3 +95,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     dashboard.install(app)  # last: its / and /ui routes must not shadow the ones above
     return app
+
+
+def _reclaim_sigterm() -> None:
+    """Ray's core worker installs a native SIGTERM handler in the driver (it logs a stack
+    trace and exits); put back the Python one (uvicorn's, for a graceful shutdown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, handler)

@@ -1,11 +1,20 @@
-"""The single bearer token that every endpoint but the health checks demands."""
+"""Who is calling: bearer tokens of users with a role, and what each role may do.
+
+Tokens are random, shown once, and stored as a SHA-256 hash (service.store.TokenRow). The
+bootstrap admin token comes from settings (or is generated on first start); it belongs to
+the user ``admin``. Every authenticated request also spends from its token's rate budget.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -14,8 +23,26 @@ from service.problems import Problem
 from service.settings import Settings
 
 TOKEN_FILE = "admin-token"
+BOOTSTRAP_ADMIN = "admin"
+Role = Literal["admin", "user"]
 
-_bearer = HTTPBearer(auto_error=False, description="The service's API token.")
+_bearer = HTTPBearer(auto_error=False, description="An API token of this service.")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The authenticated user behind a request."""
+
+    user: str
+    role: Role
+    token_id: str
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+    def may_see(self, owner: str) -> bool:
+        return self.is_admin or owner == self.user
 
 
 def resolve_admin_token(settings: Settings) -> tuple[str, bool]:
@@ -34,16 +61,69 @@ def resolve_admin_token(settings: Settings) -> tuple[str, bool]:
     return token, True
 
 
+class RateLimiter:
+    """A token bucket per API token: ``rate`` requests a second, bursts up to ``burst``."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def wait_needed(self, key: str) -> float:
+        """0 when the request may go now (and it is counted), else seconds to wait."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            level, last = self._buckets.get(key, (float(self.burst), now))
+            level = min(float(self.burst), level + (now - last) * self.rate)
+            if level >= 1.0:
+                self._buckets[key] = (level - 1.0, now)
+                return 0.0
+            self._buckets[key] = (level, now)
+            return (1.0 - level) / self.rate
+
+
+def _unauthorized(detail: str, error: str | None = None) -> Problem:
+    challenge = f'Bearer error="{error}"' if error else "Bearer"
+    return Problem(401, "Unauthorized", detail, headers={"WWW-Authenticate": challenge})
+
+
+def authenticate(request: Request, secret: str) -> Caller | None:
+    state = request.app.state
+    if secrets.compare_digest(secret.encode(), state.admin_token.encode()):
+        return Caller(BOOTSTRAP_ADMIN, "admin", "bootstrap")
+    found = state.store.authenticate(secret)
+    if found is None:
+        return None
+    user, token = found
+    return Caller(user.name, "admin" if user.role == "admin" else "user", token.id)
+
+
 def require_token(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> str:
-    """The caller's identity; for now the one admin."""
-    expected: str = request.app.state.admin_token
+) -> Caller:
+    """The caller, for any valid token of any role; 401 without one, 429 over its rate."""
     if credentials is None or credentials.scheme.lower() != "bearer":
-        raise Problem(401, "Unauthorized", "send 'Authorization: Bearer <token>'",
-                      headers={"WWW-Authenticate": "Bearer"})
-    if not secrets.compare_digest(credentials.credentials.encode(), expected.encode()):
-        raise Problem(401, "Unauthorized", "the token is not valid",
-                      headers={"WWW-Authenticate": 'Bearer error="invalid_token"'})
-    return "admin"
+        raise _unauthorized("send 'Authorization: Bearer <token>'")
+    caller = authenticate(request, credentials.credentials)
+    if caller is None:
+        raise _unauthorized("the token is not valid", "invalid_token")
+    wait = request.app.state.rate_limiter.wait_needed(caller.token_id)
+    if wait > 0:
+        retry = max(1, math.ceil(wait))
+        raise Problem(429, "Too many requests",
+                      f"this token's rate limit is reached; retry in {retry} s",
+                      headers={"Retry-After": str(retry)})
+    return caller
+
+
+def require_admin(caller: Annotated[Caller, Depends(require_token)]) -> Caller:
+    if not caller.is_admin:
+        raise Problem(403, "Forbidden", "only an admin may do this")
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(require_token)]
+AdminDep = Annotated[Caller, Depends(require_admin)]

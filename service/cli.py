@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
+from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -37,11 +41,35 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.app import create_app
 
-    # Live streams never end on their own: give them a few seconds, then close them, so
-    # that Ctrl-C or SIGTERM does not wait on a dashboard left open.
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level.lower(), timeout_graceful_shutdown=5)
+    app = create_app(settings)
+    # After the graceful shutdown uvicorn re-raises the signal to this handler: a normal
+    # exit, so that atexit hooks (an embedded Ray's shutdown) run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # In-flight requests get up to 5 s to finish; live streams are told to end at once.
+    server = GracefulServer(app.state.hub, uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=5))
+    server.run()
     return 0
+
+
+class GracefulServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: stop accepting, let in-flight requests finish, and close the
+    SSE streams cleanly (each gets a last `reconnect` message) instead of cutting them."""
+
+    def __init__(self, hub: Any, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.hub = hub
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.hub.close)
 
 
 if __name__ == "__main__":

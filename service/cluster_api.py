@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from typing import Annotated
+
 from fastapi import APIRouter, Depends, Request
 
 from jobs import cluster
-from service.auth import require_token
+from service.auth import Caller, require_token
 from service.schemas import ClusterJob, ClusterNode, ClusterOut, ClusterWorker
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
@@ -15,11 +17,14 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
 
 @router.get("/cluster", response_model=ClusterOut,
             summary="The Ray nodes with their CPUs/GPUs, and the workers each job holds")
-async def get_cluster(request: Request) -> ClusterOut:
+async def get_cluster(request: Request,
+                      caller: Annotated[Caller, Depends(require_token)]) -> ClusterOut:
     store = request.app.state.store
     namespace = request.app.state.settings.ray_namespace
     nodes, active = await asyncio.gather(asyncio.to_thread(cluster.nodes),
                                          asyncio.to_thread(store.active_jobs))
+    # Nodes are everyone's; whose workers sit where is told only about the caller's own jobs.
+    active = [j for j in active if caller.may_see(j.owner)]
     placed = await cluster.worker_nodes([j.id for j in active], namespace)
     jobs = [ClusterJob(id=j.id, name=j.name, state=j.state, world_size=j.world_size,
                        workers=placed.get(j.id, {}))

@@ -45,7 +45,12 @@ class JobControl:
 
     def check_admissible(self, spec: JobSpec) -> None:
         if spec.is_custom:
-            module = spec.workload.partition(":")[0]
+            module, _, function = spec.workload.partition(":")
+            if any(part.startswith("__") for part in [*module.split("."), function]):
+                raise Problem(422, "Invalid job spec",
+                              "workload: dunder names (such as __import__) are not entrypoints",
+                              errors=[{"field": "workload",
+                                       "message": "dunder names are not allowed"}])
             allowed = self.settings.entrypoint_modules
             if not any(module == m or module.startswith(m + ".") for m in allowed):
                 raise Problem(422, "Invalid job spec",
@@ -61,11 +66,12 @@ class JobControl:
             raise Problem(422, "Invalid job spec", f"scaling.min_workers: {message}",
                           errors=[{"field": "scaling.min_workers", "message": message}])
 
-    async def submit(self, spec: JobSpec, owner: str) -> JobRow:
+    async def submit(self, spec: JobSpec, owner: str,
+                     idempotency_key: str | None = None) -> JobRow:
         await asyncio.to_thread(self.check_admissible, spec)
         job = await asyncio.to_thread(
-            self.store.create_job, spec.name, owner, spec.workload, spec.model_dump(mode="json")
-        )
+            self.store.create_job, spec.name, owner, spec.workload,
+            spec.model_dump(mode="json"), idempotency_key)
         self._announce("created", job)
         await self._launch(job)
         return await asyncio.to_thread(self._get, job.id)

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs.validation import describe
@@ -16,6 +16,42 @@ from jobs.validation import describe
 log = logging.getLogger(__name__)
 
 MEDIA_TYPE = "application/problem+json"
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ProblemOut(BaseModel):
+    """An RFC 9457 problem document, as every error is answered."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[FieldError] | None = None
+
+
+def _described(description: str) -> dict[str, Any]:
+    return {"description": description, "model": ProblemOut,
+            "content": {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/ProblemOut"}}}}
+
+
+# The errors any authenticated route may answer, documented once for the OpenAPI schema.
+PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _described("A malformed request"),
+    401: _described("No valid token"),
+    403: _described("The token's role may not do this"),
+    404: _described("No such resource (or not the caller's)"),
+    409: _described("A conflict with the resource's state"),
+    413: _described("The request body is too large"),
+    422: _described("The body or a parameter is invalid; `errors` names each field"),
+    429: _described("The token's rate limit is reached; see Retry-After"),
+}
 
 
 class Problem(Exception):
@@ -58,7 +94,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        titles = {404: "Not found", 405: "Method not allowed", 401: "Unauthorized"}
+        titles = {404: "Not found", 405: "Method not allowed", 401: "Unauthorized",
+                  413: "Request body too large"}
         p = Problem(exc.status_code, titles.get(exc.status_code, "HTTP error"),
                     str(exc.detail) if exc.detail else None, headers=dict(exc.headers or {}))
         return problem_response(request, p)

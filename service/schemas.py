@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.state import JobState
 
@@ -94,6 +94,60 @@ def downsample(total: int, every: int | None = None, points: int | None = None) 
     if keep[-1] != total - 1:
         keep.append(total - 1)
     return keep
+
+
+USER_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+
+
+class UserIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=USER_NAME_PATTERN, description="Lower-case letters, digits, "
+                      "'.', '_', '-'; at most 64 characters.")
+    role: Literal["admin", "user"] = "user"
+
+
+class UserOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    role: str
+    created_at: datetime
+
+
+class UserList(BaseModel):
+    items: list[UserOut]
+
+
+class TokenIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user: str = Field(pattern=USER_NAME_PATTERN, description="Whose token it is.")
+    label: str = Field("", max_length=128, pattern=r"^[\w .\-]*$",
+                       description="What the token is for, e.g. 'laptop'.")
+
+
+class TokenOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    user: str
+    label: str
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str = Field(description="The secret: shown this once, stored only as a hash.")
+
+
+class TokenList(BaseModel):
+    items: list[TokenOut]
+
+
+class Me(BaseModel):
+    user: str
+    role: str
 
 
 class ClusterWorker(BaseModel):

@@ -30,6 +30,16 @@ class Settings(BaseSettings):
         description="Address of an existing Ray cluster (e.g. ray://head:10001 or head:6379). "
         "Unset: the service starts a local Ray instance itself.",
     )
+    ray_auth_token: SecretStr | None = Field(
+        None,
+        description="Token for a Ray cluster started with RAY_AUTH_MODE=token (Ray's own "
+        "token authentication); used with ray_address. Unset: Ray's own RAY_AUTH_* "
+        "variables, if any, apply.",
+    )
+    ray_auth_token_path: str | None = Field(
+        None, description="A file holding that token instead (e.g. a mounted Kubernetes "
+        "secret).",
+    )
     ray_namespace: str = Field(
         "elastic-train",
         description="Ray namespace that holds the job supervisors; the service finds them "
@@ -50,6 +60,17 @@ class Settings(BaseSettings):
         None,
         description="The bearer token every API call must carry. Unset: one is generated on "
         "first start, stored in data_dir/admin-token and printed.",
+    )
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, le=1 << 30,
+        description="Largest request body accepted; a bigger one is answered 413.",
+    )
+    rate_limit_per_s: float = Field(
+        50.0, ge=0, description="Requests a second each API token may make on average "
+        "(0: no limit); over it the answer is 429 with Retry-After.",
+    )
+    rate_limit_burst: int = Field(
+        200, ge=1, description="Requests a token may make at once before the rate applies.",
     )
     entrypoint_modules: list[str] = Field(
         default_factory=list,

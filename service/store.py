@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import secrets
 import time
@@ -22,10 +23,13 @@ from sqlalchemy import (
     String,
     Text,
     create_engine,
+    delete,
     event,
+    inspect,
     select,
 )
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from jobs.state import TERMINAL_STATES, JobState, check_transition
@@ -104,6 +108,43 @@ class CheckpointRow(Base):
     removed: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class UserRow(Base):
+    __tablename__ = "users"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class TokenRow(Base):
+    """An API token. Only the SHA-256 of its secret is kept: the secret is shown once."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    user: Mapped[str] = mapped_column(ForeignKey("users.name"), index=True)
+    label: Mapped[str] = mapped_column(String(128))
+    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class IdempotencyRow(Base):
+    """A submission's Idempotency-Key; ``job_id`` is None while it is being processed."""
+
+    __tablename__ = "idempotency_keys"
+
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
 def new_job_id() -> str:
     return f"job-{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"
 
@@ -128,11 +169,42 @@ def decode_cursor(cursor: str) -> str:
     return value
 
 
+class SchemaTooNew(RuntimeError):
+    """The database was migrated by a newer elastic-train than this one."""
+
+
+MIGRATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to this version's head with Alembic; refuse a newer one."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", MIGRATIONS)
+    scripts = ScriptDirectory.from_config(config)
+    with engine.begin() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+        if current is not None and current not in {s.revision for s in scripts.walk_revisions()}:
+            raise SchemaTooNew(
+                f"the database at {engine.url.render_as_string(hide_password=True)} has schema "
+                f"revision {current!r}, newer than this elastic-train knows (its newest is "
+                f"{scripts.get_current_head()!r}); upgrade elastic-train or use another database")
+        config.attributes["connection"] = conn
+        if current is None and inspect(conn).has_table("jobs"):
+            # Made by the walking skeleton's create_all, before migrations existed.
+            command.stamp(config, "0001")
+        command.upgrade(config, "head")
+
+
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine: Engine = _make_engine(url)
-        Base.metadata.create_all(self.engine)
+        migrate(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
@@ -149,7 +221,10 @@ class Store:
 
     # -- jobs ---------------------------------------------------------------------------
 
-    def create_job(self, name: str, owner: str, workload: str, spec: dict[str, Any]) -> JobRow:
+    def create_job(self, name: str, owner: str, workload: str, spec: dict[str, Any],
+                   idempotency_key: str | None = None) -> JobRow:
+        """A new queued job; with ``idempotency_key`` (claimed before), the key records the
+        job in the same transaction, so a crash leaves no job without its key."""
         now = utcnow()
         job = JobRow(
             id=new_job_id(), name=name, owner=owner, workload=workload, spec=spec,
@@ -162,14 +237,22 @@ class Store:
             s.add(EventRow(job_id=job.id, seq=1, kind="state", time=now.timestamp(),
                            data={"state": JobState.QUEUED.value, "previous": None,
                                  "reason": None}))
+            if idempotency_key is not None:
+                held = s.get(IdempotencyRow, (owner, idempotency_key))
+                if held is not None:
+                    held.job_id = job.id
         return job
 
     def get_job(self, job_id: str) -> JobRow | None:
         with self.session() as s:
             return s.get(JobRow, job_id)
 
-    def list_jobs(self, state: JobState | None, limit: int, cursor: str | None) -> Page:
+    def list_jobs(self, state: JobState | None, limit: int, cursor: str | None,
+                  owner: str | None = None) -> Page:
+        """Newest first; only ``owner``'s jobs when given."""
         query = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
+        if owner is not None:
+            query = query.where(JobRow.owner == owner)
         if state is not None:
             query = query.where(JobRow.state == state.value)
         if cursor:
@@ -184,6 +267,101 @@ class Store:
         terminal = [s.value for s in TERMINAL_STATES]
         with self.session() as s:
             return list(s.scalars(select(JobRow).where(JobRow.state.not_in(terminal))))
+
+    # -- users and tokens ---------------------------------------------------------------
+
+    def ensure_user(self, name: str, role: str) -> UserRow:
+        with self.session() as s:
+            user = s.get(UserRow, name)
+            if user is None:
+                user = UserRow(name=name, role=role, created_at=utcnow())
+                s.add(user)
+            return user
+
+    def create_user(self, name: str, role: str) -> UserRow | None:
+        """The new user, or None when the name is taken."""
+        try:
+            with self.session() as s:
+                user = UserRow(name=name, role=role, created_at=utcnow())
+                s.add(user)
+            return user
+        except IntegrityError:
+            return None
+
+    def get_user(self, name: str) -> UserRow | None:
+        with self.session() as s:
+            return s.get(UserRow, name)
+
+    def users(self) -> list[UserRow]:
+        with self.session() as s:
+            return list(s.scalars(select(UserRow).order_by(UserRow.name)))
+
+    def create_token(self, user: str, label: str) -> tuple[TokenRow, str]:
+        """A new token for ``user`` and its secret, which is not kept."""
+        secret = "et_" + secrets.token_urlsafe(32)
+        row = TokenRow(id=f"tok-{secrets.token_hex(8)}", user=user, label=label,
+                       secret_hash=hash_secret(secret), created_at=utcnow())
+        with self.session() as s:
+            s.add(row)
+        return row, secret
+
+    def tokens(self, user: str | None = None) -> list[TokenRow]:
+        query = select(TokenRow).order_by(TokenRow.created_at, TokenRow.id)
+        if user is not None:
+            query = query.where(TokenRow.user == user)
+        with self.session() as s:
+            return list(s.scalars(query))
+
+    def revoke_token(self, token_id: str) -> TokenRow | None:
+        with self.session() as s:
+            row = s.get(TokenRow, token_id)
+            if row is not None and row.revoked_at is None:
+                row.revoked_at = utcnow()
+            return row
+
+    def authenticate(self, secret: str) -> tuple[UserRow, TokenRow] | None:
+        """The user and token a secret belongs to, unless it is unknown or revoked."""
+        query = (select(UserRow, TokenRow).join(TokenRow, TokenRow.user == UserRow.name)
+                 .where(TokenRow.secret_hash == hash_secret(secret),
+                        TokenRow.revoked_at.is_(None)))
+        with self.session() as s:
+            row = s.execute(query).first()
+        return (row[0], row[1]) if row else None
+
+    # -- idempotency keys -----------------------------------------------------------------
+
+    def claim_idempotency_key(self, owner: str, key: str, fingerprint: str,
+                              stale_after_s: float) -> IdempotencyRow | None:
+        """Reserve ``key`` for a submission: None when this caller got it, else the record
+        that holds it. A reservation left without a job for ``stale_after_s`` (the service
+        died mid-submission) is taken over."""
+        now = utcnow()
+        try:
+            with self.session() as s:
+                s.add(IdempotencyRow(owner=owner, key=key, fingerprint=fingerprint,
+                                     job_id=None, created_at=now))
+            return None
+        except IntegrityError:
+            pass
+        with self.session() as s:
+            row = s.get(IdempotencyRow, (owner, key), with_for_update=True)
+            if row is None:  # released in between: try once more
+                s.add(IdempotencyRow(owner=owner, key=key, fingerprint=fingerprint,
+                                     job_id=None, created_at=now))
+                return None
+            created = row.created_at if row.created_at.tzinfo else row.created_at.replace(
+                tzinfo=UTC)
+            if row.job_id is None and (now - created).total_seconds() > stale_after_s:
+                row.fingerprint, row.created_at = fingerprint, now
+                return None
+            return row
+
+    def release_idempotency_key(self, owner: str, key: str) -> None:
+        """Free the key of a submission that was refused before it made a job."""
+        with self.session() as s:
+            s.execute(delete(IdempotencyRow).where(IdempotencyRow.owner == owner,
+                                                   IdempotencyRow.key == key,
+                                                   IdempotencyRow.job_id.is_(None)))
 
     # -- events -------------------------------------------------------------------------
 

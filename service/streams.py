@@ -25,6 +25,12 @@ class Subscription:
         self.ready = asyncio.Event()
         self.last_sent = 0
         self.overflowed = False
+        self.closed = False
+
+    def close(self) -> None:
+        """End the stream (the service is shutting down): the reader says so and stops."""
+        self.closed = True
+        self.ready.set()
 
     def offer(self, item: dict[str, Any]) -> None:
         if self.overflowed:
@@ -39,7 +45,7 @@ class Subscription:
 
     async def next(self, timeout: float) -> dict[str, Any] | None:
         """The next item, or None after ``timeout`` seconds of silence."""
-        if not self.items and not self.overflowed:
+        if not self.items and not self.overflowed and not self.closed:
             self.ready.clear()
             try:
                 await asyncio.wait_for(self.ready.wait(), timeout)
@@ -53,9 +59,12 @@ class Hub:
         self.buffer = buffer
         self._jobs: dict[str, set[Subscription]] = {}
         self._everyone: set[Subscription] = set()
+        self.closing = False
 
     def subscribe(self, job_id: str | None) -> Subscription:
         sub = Subscription(self.buffer)
+        if self.closing:
+            sub.close()
         (self._everyone if job_id is None else self._jobs.setdefault(job_id, set())).add(sub)
         return sub
 
@@ -87,6 +96,12 @@ class Hub:
         for sub in subs:
             sub.offer(entry)
 
+    def close(self) -> None:
+        """Tell every live stream to end; new ones end at once."""
+        self.closing = True
+        for sub in [*self._everyone, *(s for subs in self._jobs.values() for s in subs)]:
+            sub.close()
+
     def subscriber_count(self, job_id: str | None) -> int:
         return len(self._everyone if job_id is None else self._jobs.get(job_id, ()))
 
@@ -108,6 +123,7 @@ def sse_message(data: Any, event: str | None = None, id: int | str | None = None
 
 
 KEEPALIVE = ": keep-alive\n\n"
+SHUTTING_DOWN = "the service is shutting down; reconnect in a few seconds"
 
 
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -146,6 +162,9 @@ async def job_events(
                 break
         while True:
             live = await sub.next(keepalive_s)
+            if live is None and sub.closed:
+                yield sse_message({"reason": SHUTTING_DOWN, "last_event_id": last}, "reconnect")
+                return
             if sub.overflowed:
                 yield sse_message({"reason": "this client fell too far behind; reconnect with "
                                    "Last-Event-ID", "last_event_id": last}, "reconnect")
@@ -172,6 +191,9 @@ async def all_jobs(hub: Hub, keepalive_s: float, visible: Any) -> Any:
         yield KEEPALIVE  # headers and a first byte now: the client knows it is subscribed
         while True:
             item = await sub.next(keepalive_s)
+            if item is None and sub.closed:
+                yield sse_message({"reason": SHUTTING_DOWN}, "reconnect")
+                return
             if sub.overflowed:
                 yield sse_message({"reason": "this client fell too far behind; reload the "
                                    "job list and reconnect"}, "reconnect")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,8 @@ import pytest
 
 NAMESPACE = "elastic-train-tests"
 TOKEN = "test-token-0123456789"
+PG_URL_ENV = "ETRAIN_TEST_DATABASE_URL"
+STORE_BACKENDS = ["sqlite", *(["postgresql"] if os.environ.get(PG_URL_ENV) else [])]
 
 
 POOL_SIZE = 3
@@ -152,3 +157,50 @@ def small_job(**hyper: Any) -> dict[str, Any]:
         "scaling": {"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 10, "keep": 3},
     }
+
+
+@contextmanager
+def database_url(backend: str, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database: a SQLite file, or a schema of its own on the PostgreSQL of
+    ETRAIN_TEST_DATABASE_URL (dropped afterwards), so runs never see each other's tables."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'etrain.db'}"
+        return
+    from sqlalchemy import create_engine, text
+
+    base = os.environ[PG_URL_ENV]
+    schema = f"etrain_test_{secrets.token_hex(6)}"
+    admin = create_engine(base)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{base}{'&' if '?' in base else '?'}options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def store_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store(store_backend: str, tmp_path: Path) -> Iterator[Any]:
+    """A migrated store on a fresh database of each backend."""
+    from service.store import Store
+
+    with database_url(store_backend, tmp_path) as url:
+        s = Store(url)
+        yield s
+        s.close()
+
+
+def create_user_token(client: httpx.Client, name: str, role: str = "user") -> str:
+    """A user made through the API (by an admin client) and a token of theirs."""
+    r = client.post("/v1/users", json={"name": name, "role": role})
+    assert r.status_code in (201, 409), r.text
+    r = client.post("/v1/tokens", json={"user": name, "label": "tests"})
+    assert r.status_code == 201, r.text
+    return str(r.json()["token"])

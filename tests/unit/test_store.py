@@ -1,34 +1,12 @@
 """The store on SQLite always, and on PostgreSQL when ETRAIN_TEST_DATABASE_URL is set."""
 
-import os
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine
 
 from jobs.state import IllegalTransition, JobState
-from service.store import Base, Store
+from service.store import Store
 from tests.conftest import small_job
-
-BACKENDS = ["sqlite"]
-if os.environ.get("ETRAIN_TEST_DATABASE_URL"):
-    BACKENDS.append("postgresql")
-
-
-@pytest.fixture(params=BACKENDS)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'etrain.db'}"
-    else:
-        url = os.environ["ETRAIN_TEST_DATABASE_URL"]
-        engine = create_engine(url)
-        Base.metadata.drop_all(engine)
-        engine.dispose()
-    s = Store(url)
-    yield s
-    s.close()
 
 
 def state_event(seq: int, state: str, **data: object) -> dict:
