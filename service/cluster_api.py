@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request

@@ -50,7 +50,8 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
         ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs/{job_id}"),
         ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/jobs/{job_id}/checkpoints"),
         ("GET", "/v1/jobs/{job_id}/events"), ("GET", "/v1/jobs/{job_id}/metrics"),
-        ("GET", "/v1/jobs/{job_id}/logs"), ("GET", "/v1/events"), ("GET", "/v1/me"), ("GET", "/v1/cluster"),
+        ("GET", "/v1/jobs/{job_id}/logs"), ("GET", "/v1/events"), ("GET", "/v1/me"),
+        ("GET", "/v1/cluster"),
         ("POST", "/v1/users"), ("GET", "/v1/users"), ("POST", "/v1/tokens"),
         ("GET", "/v1/tokens"), ("POST", "/v1/tokens/{token_id}/revoke"),
     } <= routes
