@@ -26,7 +26,7 @@ export function jobPage(view, { params: [jobId], signal }) {
   const actions = el("div", { class: "actions" });
   const charts = {};
   const timeline = el("ol", { class: "timeline", id: "timeline" });
-  const timelineNote = el("p", { class: "hint" });
+  const timelineNote = el("p", { class: "hint" }, "No events yet.");
   const logs = el("pre", { class: "logs", id: "logs", tabindex: "0",
     "aria-label": "Worker log tail" });
   const followLogs = el("input", { type: "checkbox", id: "follow-logs", checked: true });
@@ -143,6 +143,7 @@ export function jobPage(view, { params: [jobId], signal }) {
   charts.rate = lineChart(view.querySelector("#chart-rate"), {
     xTime: true,
     series: [{ label: "samples/s", color: "rate", spanGaps: false }],
+    axes: [{}, { size: 64 }], // room for "10,000"
   });
   charts.world = lineChart(view.querySelector("#chart-world"), {
     xTime: true,
@@ -215,6 +216,7 @@ export function jobPage(view, { params: [jobId], signal }) {
       el("td", { dataset: { label: "Size" } }, bytes(c.size_bytes)),
       el("td", { dataset: { label: "Path" } }, el("code", {}, c.path)))));
     checkpointsEmpty.hidden = list.items.length > 0;
+    checkpoints.closest(".table-wrap").hidden = list.items.length === 0;
   }
 
   let checkpointTimer = null;
