@@ -8,10 +8,11 @@ import { flash } from "../notice.js";
 const FIELDS = [
   ["name", "Name", { type: "text", value: "my-job", autocomplete: "off" },
     "Letters, digits, space, . _ -"],
-  ["hyperparameters.model", "Model", { options: ["small_cnn", "resnet18"] }],
-  ["hyperparameters.dataset", "Dataset", { options: ["synthetic", "imagefolder"] }],
+  ["hyperparameters.model", "Model", { options: ["small_cnn", "resnet18", "resnet34",
+    "resnet50", "mobilenet_v3_small", "efficientnet_b0"] }],
+  ["hyperparameters.dataset", "Dataset", { options: ["synthetic", "imagefolder", "cifar10"] }],
   ["hyperparameters.data_path", "Data path", { type: "text" },
-    "ImageFolder root, readable from every node (dataset imagefolder only)"],
+    "A directory every node can read (imagefolder: class folders; cifar10: its batches)"],
   ["hyperparameters.epochs", "Epochs", { type: "number", step: "1" },
     "Optional; the run stops at the first of epochs and max steps"],
   ["hyperparameters.max_steps", "Max steps", { type: "number", step: "1", value: "200" }],
@@ -115,7 +116,7 @@ export function submitPage(view, { signal }) {
 
   const dataset = form.querySelector(`[name="hyperparameters.dataset"]`);
   const dataPath = form.querySelector(`[data-field="hyperparameters.data_path"]`);
-  const showDataPath = () => { dataPath.hidden = dataset.value !== "imagefolder"; };
+  const showDataPath = () => { dataPath.hidden = dataset.value === "synthetic"; };
   dataset.addEventListener("change", showDataPath);
   showDataPath();
 
