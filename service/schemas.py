@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from jobs.state import JobState
+
+
+def _utc(moment: datetime) -> datetime:
+    # SQLite hands back naive datetimes; every time the store writes is UTC, and the API's
+    # schema promises RFC 3339 date-times, which carry their offset.
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+Timestamp = Annotated[datetime, AfterValidator(_utc)]
 
 
 class JobOut(BaseModel):
@@ -26,10 +35,10 @@ class JobOut(BaseModel):
     samples_per_s: float | None
     restarts: int
     spec: dict[str, Any]
-    created_at: datetime
-    updated_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
+    created_at: Timestamp
+    updated_at: Timestamp
+    started_at: Timestamp | None
+    finished_at: Timestamp | None
 
 
 class JobPage(BaseModel):
@@ -112,7 +121,7 @@ class UserOut(BaseModel):
 
     name: str
     role: str
-    created_at: datetime
+    created_at: Timestamp
 
 
 class UserList(BaseModel):
@@ -133,8 +142,8 @@ class TokenOut(BaseModel):
     id: str
     user: str
     label: str
-    created_at: datetime
-    revoked_at: datetime | None
+    created_at: Timestamp
+    revoked_at: Timestamp | None
 
 
 class TokenCreated(TokenOut):
