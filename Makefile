@@ -42,6 +42,7 @@ run: $(RUN_STAMP) $(JS_STAMP)
 
 test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic tests bench examples
+	$(VENV)/bin/ruff format --check service jobs elastic tests bench examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -ra --durations=15
 

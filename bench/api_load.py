@@ -30,11 +30,20 @@ SEEDED = 1000
 
 
 def tiny_job(i: int) -> dict[str, Any]:
-    return {"name": f"load-{i}", "workload": "image-classification",
-            "hyperparameters": {"model": "small_cnn", "dataset": "synthetic", "max_steps": 5,
-                                "global_batch_size": 16, "learning_rate": 0.05, "seed": i},
-            "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
-            "checkpoint": {"every_steps": 100, "keep": 1}}
+    return {
+        "name": f"load-{i}",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "max_steps": 5,
+            "global_batch_size": 16,
+            "learning_rate": 0.05,
+            "seed": i,
+        },
+        "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": 100, "keep": 1},
+    }
 
 
 def seed_store(data_dir: Path) -> list[str]:
@@ -45,8 +54,10 @@ def seed_store(data_dir: Path) -> list[str]:
     ids = []
     for i in range(SEEDED):
         job = store.create_job(f"seeded-{i}", "admin", "image-classification", tiny_job(i))
-        store.append_events(job.id, [
-            {"seq": 2, "kind": "state", "time": time.time(), "data": {"state": "cancelled"}}])
+        store.append_events(
+            job.id,
+            [{"seq": 2, "kind": "state", "time": time.time(), "data": {"state": "cancelled"}}],
+        )
         ids.append(job.id)
     store.close()
     return ids
@@ -57,10 +68,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def load(base: str, ids: list[str], seconds: float, rate: float,
-               submit_every: float) -> dict[str, tuple[list[float], int]]:
-    results: dict[str, tuple[list[float], int]] = {"get": ([], 0), "list": ([], 0),
-                                                   "submit": ([], 0)}
+async def load(
+    base: str, ids: list[str], seconds: float, rate: float, submit_every: float
+) -> dict[str, tuple[list[float], int]]:
+    results: dict[str, tuple[list[float], int]] = {
+        "get": ([], 0),
+        "list": ([], 0),
+        "submit": ([], 0),
+    }
     submitted: list[str] = []
     rng = random.Random(0)
     headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -83,8 +98,9 @@ async def load(base: str, ids: list[str], seconds: float, rate: float,
         latencies.append(time.perf_counter() - start)
         results[kind] = (latencies, errors + (not ok))
 
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30,
-                                 limits=httpx.Limits(max_connections=200)) as client:
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=30, limits=httpx.Limits(max_connections=200)
+    ) as client:
         tasks = []
         t0 = time.perf_counter()
         i, next_submit = 0, 0.0
@@ -113,11 +129,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="etrain-load-") as data:
         ids = seed_store(Path(data))
         base = f"http://127.0.0.1:{args.port}"
-        env = {**os.environ, "ETRAIN_DATA_DIR": data, "ETRAIN_API_TOKEN": TOKEN,
-               "ETRAIN_PORT": str(args.port), "ETRAIN_LOG_LEVEL": "warning",
-               "ETRAIN_RATE_LIMIT_PER_S": "0", "ETRAIN_RAY_NUM_CPUS": "2"}
-        server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env = {
+            **os.environ,
+            "ETRAIN_DATA_DIR": data,
+            "ETRAIN_API_TOKEN": TOKEN,
+            "ETRAIN_PORT": str(args.port),
+            "ETRAIN_LOG_LEVEL": "warning",
+            "ETRAIN_RATE_LIMIT_PER_S": "0",
+            "ETRAIN_RAY_NUM_CPUS": "2",
+        }
+        server = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + 180
             while True:
@@ -134,17 +160,20 @@ def main() -> None:
             server.terminate()
             server.wait(60)
 
-    print(f"{args.seconds:.0f} s, {args.rate:.0f} reads/s (70% one job, 30% a page of 50), "
-          f"a submit every {args.submit_every:.0f} s, {SEEDED} jobs in the store")
+    print(
+        f"{args.seconds:.0f} s, {args.rate:.0f} reads/s (70% one job, 30% a page of 50), "
+        f"a submit every {args.submit_every:.0f} s, {SEEDED} jobs in the store"
+    )
     print(f"| {'request':<28} | {'count':>5} | {'p50 ms':>7} | {'p99 ms':>7} | {'errors':>6} |")
     print(f"| {'-' * 28} | {'-' * 5}: | {'-' * 6}: | {'-' * 6}: | {'-' * 5}: |")
-    names = {"get": "GET /v1/jobs/{id}", "list": "GET /v1/jobs?limit=50",
-             "submit": "POST /v1/jobs"}
+    names = {"get": "GET /v1/jobs/{id}", "list": "GET /v1/jobs?limit=50", "submit": "POST /v1/jobs"}
     for kind, (latencies, errors) in results.items():
         if latencies:
-            print(f"| {names[kind]:<28} | {len(latencies):>5} | "
-                  f"{statistics.median(latencies) * 1000:>7.1f} | "
-                  f"{percentile(latencies, 0.99) * 1000:>7.1f} | {errors:>6} |")
+            print(
+                f"| {names[kind]:<28} | {len(latencies):>5} | "
+                f"{statistics.median(latencies) * 1000:>7.1f} | "
+                f"{percentile(latencies, 0.99) * 1000:>7.1f} | {errors:>6} |"
+            )
 
 
 if __name__ == "__main__":

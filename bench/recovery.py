@@ -83,7 +83,8 @@ def stock_train_loop(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(model)
     data = SyntheticImages(100_000, 32, 10, 0)
     loader = ray.train.torch.prepare_data_loader(
-        DataLoader(data, batch_size=max(1, BATCH // world), shuffle=True))
+        DataLoader(data, batch_size=max(1, BATCH // world), shuffle=True)
+    )
     loss_fn = torch.nn.CrossEntropyLoss()
     for x, y in loader:
         optimizer.zero_grad()
@@ -95,9 +96,14 @@ def stock_train_loop(config: dict[str, Any]) -> None:
             with tempfile.TemporaryDirectory() as d:
                 ckpt = None
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict() if world > 1 else
-                                model.state_dict(), "optimizer": optimizer.state_dict(),
-                                "step": step}, Path(d) / "state.pt")
+                    torch.save(
+                        {
+                            "model": model.module.state_dict() if world > 1 else model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "step": step,
+                        },
+                        Path(d) / "state.pt",
+                    )
                     ckpt = ray.train.Checkpoint.from_directory(d)
                 ray.train.report({"step": step}, checkpoint=ckpt)
         if step >= STEPS:
@@ -109,14 +115,17 @@ def run_stock(cluster: Cluster, nodes: list[Any], storage: str) -> dict[str, flo
     from ray.train.torch import TorchTrainer
 
     head = cluster.head_node.node_id
-    probe = Probe.options(name="probe", namespace=NAMESPACE,  # type: ignore[attr-defined]
-                          scheduling_strategy=NodeAffinitySchedulingStrategy(head, False)
-                          ).remote()
+    probe = Probe.options(
+        name="probe",
+        namespace=NAMESPACE,  # type: ignore[attr-defined]
+        scheduling_strategy=NodeAffinitySchedulingStrategy(head, False),
+    ).remote()
     trainer = TorchTrainer(
         stock_train_loop,
         scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="stock", storage_path=storage,
-                             failure_config=FailureConfig(max_failures=3)),
+        run_config=RunConfig(
+            name="stock", storage_path=storage, failure_config=FailureConfig(max_failures=3)
+        ),
     )
     started = time.time()
     done = threading.Event()
@@ -144,22 +153,35 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
     from service.app import create_app
     from service.settings import Settings
 
-    settings = Settings(data_dir=Path(data_dir), api_token="bench",  # type: ignore[arg-type]
-                        ray_namespace=NAMESPACE, event_poll_interval_s=0.1)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=0,
-                                           log_level="warning"))
+    settings = Settings(
+        data_dir=Path(data_dir),
+        api_token="bench",  # type: ignore[arg-type]
+        ray_namespace=NAMESPACE,
+        event_poll_interval_s=0.1,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}",
-                          headers={"Authorization": "Bearer bench"}, timeout=30)
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer bench"}, timeout=30
+    )
     spec = {
-        "name": "bench", "workload": "image-classification",
-        "hyperparameters": {"model": "small_cnn", "dataset": "synthetic", "max_steps": STEPS,
-                            "global_batch_size": BATCH, "learning_rate": 0.05, "seed": 0,
-                            "synthetic_samples": 100_000},
+        "name": "bench",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "max_steps": STEPS,
+            "global_batch_size": BATCH,
+            "learning_rate": 0.05,
+            "seed": 0,
+            "synthetic_samples": 100_000,
+        },
         "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": EVERY, "keep": 3},
     }
@@ -169,17 +191,25 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
 
     def progress() -> list[Step]:
         items = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
-        return [(e["time"], 0, e["data"]["step"], "", str(e["data"]["attempt"]))
-                for e in items if e["kind"] == "metrics"]
+        return [
+            (e["time"], 0, e["data"]["step"], "", str(e["data"]["attempt"]))
+            for e in items
+            if e["kind"] == "metrics"
+        ]
 
     def status() -> dict[str, Any]:
-        return ray.get(ray.get_actor(f"etrain-supervisor-{job_id}",
-                                     namespace=NAMESPACE).status.remote())
+        return ray.get(
+            ray.get_actor(f"etrain-supervisor-{job_id}", namespace=NAMESPACE).status.remote()
+        )
 
-    killed_at = _kill_when(progress, cluster, nodes,
-                           rank1_node=lambda: status()["worker_nodes"].get(1))
+    killed_at = _kill_when(
+        progress, cluster, nodes, rank1_node=lambda: status()["worker_nodes"].get(1)
+    )
     while client.get(f"/v1/jobs/{job_id}").json()["state"] not in (
-            "succeeded", "failed", "cancelled"):
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
         time.sleep(0.2)
     final = client.get(f"/v1/jobs/{job_id}").json()
     ended = final["finished_at"]
@@ -190,8 +220,7 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
     return _summary(steps, started, datetime.fromisoformat(ended).timestamp(), killed_at)
 
 
-def _kill_when(progress: Any, cluster: Cluster, nodes: list[Any],
-               rank1_node: Any = None) -> float:
+def _kill_when(progress: Any, cluster: Cluster, nodes: list[Any], rank1_node: Any = None) -> float:
     """Kill the node of rank 1 once step KILL_AT_STEP is seen; returns the time of the kill."""
     while True:
         seen = progress()
@@ -205,8 +234,7 @@ def _kill_when(progress: Any, cluster: Cluster, nodes: list[Any],
     return time.time()
 
 
-def _summary(steps: list[Step], started: float, ended: float,
-             killed_at: float) -> dict[str, float]:
+def _summary(steps: list[Step], started: float, ended: float, killed_at: float) -> dict[str, float]:
     """Recovery ends at the first step of a session (worker process, attempt) that began
     after the kill; the steps redone are those the lost sessions had reached beyond the
     checkpoint the new one resumed from."""
@@ -225,8 +253,10 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
     keep_ray_on_loopback()
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION},
+    )
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     work = tempfile.mkdtemp(prefix="etrain-bench-")
@@ -235,17 +265,21 @@ def main() -> None:
     cluster.wait_for_nodes()
     ours = run_ours(cluster, nodes, os.path.join(work, "ours"))
 
-    rows = [("recovery seconds (kill to first resumed step)", "recovery_s", "{:.1f}"),
-            ("steps redone", "steps_redone", "{:.0f}"),
-            ("checkpoint interval (steps)", "interval", "{:.0f}"),
-            ("total wall time (s)", "wall_s", "{:.1f}")]
+    rows = [
+        ("recovery seconds (kill to first resumed step)", "recovery_s", "{:.1f}"),
+        ("steps redone", "steps_redone", "{:.0f}"),
+        ("checkpoint interval (steps)", "interval", "{:.0f}"),
+        ("total wall time (s)", "wall_s", "{:.1f}"),
+    ]
     print()
     print(f"| {'':46} | stock Ray Train 2.60 | elastic-train | ours/stock |")
     print(f"| {'-' * 46} | -------------------- | ------------- | ---------- |")
     for label, key, fmt in rows:
         ratio = ours[key] / stock[key] if stock[key] else float("nan")
-        print(f"| {label:46} | {fmt.format(stock[key]):>20} | {fmt.format(ours[key]):>13} | "
-              f"{ratio:>10.2f} |")
+        print(
+            f"| {label:46} | {fmt.format(stock[key]):>20} | {fmt.format(ours[key]):>13} | "
+            f"{ratio:>10.2f} |"
+        )
     ray.shutdown()
     cluster.shutdown()
 

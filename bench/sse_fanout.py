@@ -29,10 +29,17 @@ ROUNDS = 3
 
 def job_spec() -> dict[str, Any]:
     return {
-        "name": "fanout", "workload": "image-classification",
-        "hyperparameters": {"model": "small_cnn", "dataset": "synthetic", "max_steps": STEPS,
-                            "global_batch_size": 64, "learning_rate": 0.05, "seed": 0,
-                            "report_every_steps": 10},
+        "name": "fanout",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "max_steps": STEPS,
+            "global_batch_size": 64,
+            "learning_rate": 0.05,
+            "seed": 0,
+            "report_every_steps": 10,
+        },
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 100, "keep": 2},
     }
@@ -40,8 +47,9 @@ def job_spec() -> dict[str, Any]:
 
 async def watch(client: httpx.AsyncClient, job_id: str) -> int:
     count = 0
-    async with client.stream("GET", f"/v1/jobs/{job_id}/events",
-                             headers={"Accept": "text/event-stream"}) as r:
+    async with client.stream(
+        "GET", f"/v1/jobs/{job_id}/events", headers={"Accept": "text/event-stream"}
+    ) as r:
         async for line in r.aiter_lines():
             count += line.startswith("id: ")
     return count
@@ -49,18 +57,26 @@ async def watch(client: httpx.AsyncClient, job_id: str) -> int:
 
 async def run_job(base: str, clients: int) -> tuple[float, list[int]]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600,
-                                 limits=httpx.Limits(max_connections=clients + 10)) as client:
+    async with httpx.AsyncClient(
+        base_url=base,
+        headers=headers,
+        timeout=600,
+        limits=httpx.Limits(max_connections=clients + 10),
+    ) as client:
         job = (await client.post("/v1/jobs", json=job_spec())).json()
         watchers = [asyncio.create_task(watch(client, job["id"])) for _ in range(clients)]
         while (await client.get(f"/v1/jobs/{job['id']}")).json()["state"] not in (
-                "succeeded", "failed", "cancelled"):
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
             await asyncio.sleep(0.5)
         counts = list(await asyncio.gather(*watchers))
         metrics = (await client.get(f"/v1/jobs/{job['id']}/metrics")).json()["columns"]
     # Steady state: past the first 100 steps (warm-up, first checkpoint).
-    rates = [r for s, r in zip(metrics["step"], metrics["samples_per_s"], strict=True)
-             if s > 100 and r]
+    rates = [
+        r for s, r in zip(metrics["step"], metrics["samples_per_s"], strict=True) if s > 100 and r
+    ]
     return statistics.median(rates), counts
 
 
@@ -68,10 +84,19 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
     data = tempfile.mkdtemp(prefix="etrain-bench-")
     port = 8765
-    env = {**os.environ, "ETRAIN_DATA_DIR": data, "ETRAIN_API_TOKEN": TOKEN,
-           "ETRAIN_PORT": str(port), "ETRAIN_LOG_LEVEL": "warning"}
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "ETRAIN_DATA_DIR": data,
+        "ETRAIN_API_TOKEN": TOKEN,
+        "ETRAIN_PORT": str(port),
+        "ETRAIN_LOG_LEVEL": "warning",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -98,8 +123,12 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     assert len(set(counts)) == 1, f"clients got different numbers of events: {set(counts)}"
-    print("unwatched runs:", [round(r) for r in alone_runs], "watched runs:",
-          [round(r) for r in watched_runs])
+    print(
+        "unwatched runs:",
+        [round(r) for r in alone_runs],
+        "watched runs:",
+        [round(r) for r in watched_runs],
+    )
     print()
     print("| run                       | samples/s (mean of medians) | events per client |")
     print("| ------------------------- | --------------------------- | ----------------- |")

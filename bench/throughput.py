@@ -39,8 +39,9 @@ TOKEN = "bench-token"
 # -- the plain loop that (a) and (b) run ----------------------------------------------------
 
 
-def plain_loop(model_name: str, steps: int, out: str, launched: float,
-               use_ray: bool = False) -> None:
+def plain_loop(
+    model_name: str, steps: int, out: str, launched: float, use_ray: bool = False
+) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -49,8 +50,12 @@ def plain_loop(model_name: str, steps: int, out: str, launched: float,
     from jobs.workloads.image_classification import SyntheticImages, build_model
     from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 
-    hp = ImageClassificationHyperparameters(model=model_name, max_steps=steps,  # type: ignore[arg-type]
-                                            synthetic_samples=2048, learning_rate=0.05)
+    hp = ImageClassificationHyperparameters(
+        model=model_name,
+        max_steps=steps,  # type: ignore[arg-type]
+        synthetic_samples=2048,
+        learning_rate=0.05,
+    )
     dataset = SyntheticImages(hp.synthetic_samples, hp.image_size, hp.num_classes, hp.seed)
     model = build_model(hp)
     if use_ray:
@@ -61,14 +66,14 @@ def plain_loop(model_name: str, steps: int, out: str, launched: float,
         world = ray.train.get_context().get_world_size()
         model = ray.train.torch.prepare_model(model)
         loader = ray.train.torch.prepare_data_loader(
-            DataLoader(dataset, batch_size=PER_WORKER_BATCH, shuffle=True, drop_last=True))
+            DataLoader(dataset, batch_size=PER_WORKER_BATCH, shuffle=True, drop_last=True)
+        )
     else:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         model = nn.parallel.DistributedDataParallel(model)
         sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
-        loader = DataLoader(dataset, batch_size=PER_WORKER_BATCH, sampler=sampler,
-                            drop_last=True)
+        loader = DataLoader(dataset, batch_size=PER_WORKER_BATCH, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=hp.learning_rate, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
     step, epoch, times = 0, 0, {}
@@ -86,18 +91,23 @@ def plain_loop(model_name: str, steps: int, out: str, launched: float,
                 break
         epoch += 1
     if rank == 0:
-        Path(out).write_text(json.dumps({
-            "first_step_s": times[1] - launched,
-            "samples_per_s": (steps - WARM) * PER_WORKER_BATCH * world
-            / (times[steps] - times[WARM]),
-        }))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "first_step_s": times[1] - launched,
+                    "samples_per_s": (steps - WARM)
+                    * PER_WORKER_BATCH
+                    * world
+                    / (times[steps] - times[WARM]),
+                }
+            )
+        )
     if not use_ray:
         dist.destroy_process_group()
 
 
 def ray_train_loop(config: dict[str, Any]) -> None:
-    plain_loop(config["model"], config["steps"], config["out"], config["launched"],
-               use_ray=True)
+    plain_loop(config["model"], config["steps"], config["out"], config["launched"], use_ray=True)
 
 
 # -- (a) torchrun ---------------------------------------------------------------------------
@@ -107,10 +117,25 @@ def run_torchrun(model_name: str, world: int, out: str) -> dict[str, float]:
     launched = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-         "--master_addr=127.0.0.1", "--master_port=29611", "-m", "bench.throughput",
-         "--worker", model_name, str(STEPS[model_name]), out, str(launched)],
-        check=True, env=env, stdout=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world}",
+            "--master_addr=127.0.0.1",
+            "--master_port=29611",
+            "-m",
+            "bench.throughput",
+            "--worker",
+            model_name,
+            str(STEPS[model_name]),
+            out,
+            str(launched),
+        ],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(Path(out).read_text())
 
 
@@ -121,12 +146,14 @@ def run_ray_train(model_name: str, world: int, out: str, storage: str) -> dict[s
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    config = {"model": model_name, "steps": STEPS[model_name], "out": out,
-              "launched": time.time()}
+    config = {"model": model_name, "steps": STEPS[model_name], "out": out, "launched": time.time()}
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
+        ray_train_loop,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"bench-{model_name}-{world}", storage_path=storage))
+        run_config=RunConfig(name=f"bench-{model_name}-{world}", storage_path=storage),
+    )
     config["launched"] = time.time()
     trainer.fit()
     return json.loads(Path(out).read_text())
@@ -138,11 +165,17 @@ def run_ray_train(model_name: str, world: int, out: str, storage: str) -> dict[s
 def job_spec(model_name: str, world: int) -> dict[str, Any]:
     steps = STEPS[model_name]
     return {
-        "name": f"bench-{model_name}-{world}", "workload": "image-classification",
-        "hyperparameters": {"model": model_name, "dataset": "synthetic", "max_steps": steps,
-                            "global_batch_size": PER_WORKER_BATCH * world,
-                            "learning_rate": 0.05, "synthetic_samples": 2048,
-                            "report_every_steps": WARM},
+        "name": f"bench-{model_name}-{world}",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": model_name,
+            "dataset": "synthetic",
+            "max_steps": steps,
+            "global_batch_size": PER_WORKER_BATCH * world,
+            "learning_rate": 0.05,
+            "synthetic_samples": 2048,
+            "report_every_steps": WARM,
+        },
         "scaling": {"min_workers": world, "max_workers": world, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": steps, "keep": 1},
     }
@@ -153,24 +186,38 @@ def run_service(client: Any, model_name: str, world: int) -> dict[str, float]:
     submitted = time.time()
     job = client.post("/v1/jobs", json=job_spec(model_name, world)).json()
     while client.get(f"/v1/jobs/{job['id']}").json()["state"] not in (
-            "succeeded", "failed", "cancelled"):
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
         time.sleep(0.5)
-    events = client.get(f"/v1/jobs/{job['id']}/events",
-                        params={"kind": "metrics", "limit": 5000}).json()["items"]
+    events = client.get(
+        f"/v1/jobs/{job['id']}/events", params={"kind": "metrics", "limit": 5000}
+    ).json()["items"]
     at = {e["data"]["step"]: e["time"] for e in events}
-    return {"first_step_s": at[1] - submitted,
-            "samples_per_s": (steps - WARM) * PER_WORKER_BATCH * world
-            / (at[steps] - at[WARM])}
+    return {
+        "first_step_s": at[1] - submitted,
+        "samples_per_s": (steps - WARM) * PER_WORKER_BATCH * world / (at[steps] - at[WARM]),
+    }
 
 
 def start_service(data_dir: str, port: int) -> subprocess.Popen[bytes]:
     import httpx
 
-    env = {**os.environ, "ETRAIN_DATA_DIR": data_dir, "ETRAIN_API_TOKEN": TOKEN,
-           "ETRAIN_PORT": str(port), "ETRAIN_LOG_LEVEL": "warning",
-           "ETRAIN_RAY_NUM_CPUS": str(max(WORLDS))}
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "ETRAIN_DATA_DIR": data_dir,
+        "ETRAIN_API_TOKEN": TOKEN,
+        "ETRAIN_PORT": str(port),
+        "ETRAIN_LOG_LEVEL": "warning",
+        "ETRAIN_RAY_NUM_CPUS": str(max(WORLDS)),
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 180
     while True:
         try:
@@ -206,8 +253,7 @@ def main() -> None:
         results[m, w, "a"] = run_torchrun(m, w, f"{work}/a-{m}-{w}.json")
         print("torchrun", m, w, results[m, w, "a"], flush=True)
 
-    ray.init(address="local", num_cpus=max(WORLDS), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=max(WORLDS), include_dashboard=False, log_to_driver=False)
     try:
         for m, w in cases:
             results[m, w, "b"] = run_ray_train(m, w, f"{work}/b-{m}-{w}.json", f"{work}/ray")
@@ -217,8 +263,11 @@ def main() -> None:
 
     server = start_service(f"{work}/service", 8766)
     try:
-        with httpx.Client(base_url="http://127.0.0.1:8766", timeout=60,
-                          headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        with httpx.Client(
+            base_url="http://127.0.0.1:8766",
+            timeout=60,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as client:
             for m, w in cases:
                 results[m, w, "c"] = run_service(client, m, w)
                 print("service", m, w, results[m, w, "c"], flush=True)
@@ -227,18 +276,23 @@ def main() -> None:
         server.wait(timeout=60)
 
     print()
-    print("| model | workers | steps | samples/s torchrun (a) | Ray Train (b) | service (c) "
-          "| (c)/(b) | (c)/(a) | first step s (a) | (b) | (c) | (c)/(b) | (c)/(a) |")
+    print(
+        "| model | workers | steps | samples/s torchrun (a) | Ray Train (b) | service (c) "
+        "| (c)/(b) | (c)/(a) | first step s (a) | (b) | (c) | (c)/(b) | (c)/(a) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m, w in cases:
         a, b, c = (results[m, w, k] for k in "abc")
         sa, sb, sc = a["samples_per_s"], b["samples_per_s"], c["samples_per_s"]
         fa, fb, fc = a["first_step_s"], b["first_step_s"], c["first_step_s"]
-        print(f"| {m} | {w} | {STEPS[m]} | {sa:.0f} | {sb:.0f} | {sc:.0f} | {sc / sb:.2f} "
-              f"| {sc / sa:.2f} | {fa:.1f} | {fb:.1f} | {fc:.1f} | {fc / fb:.2f} "
-              f"| {fc / fa:.2f} |")
-    ratios = [results[m, w, "c"]["samples_per_s"] / results[m, w, "b"]["samples_per_s"]
-              for m, w in cases]
+        print(
+            f"| {m} | {w} | {STEPS[m]} | {sa:.0f} | {sb:.0f} | {sc:.0f} | {sc / sb:.2f} "
+            f"| {sc / sa:.2f} | {fa:.1f} | {fb:.1f} | {fc:.1f} | {fc / fb:.2f} "
+            f"| {fc / fa:.2f} |"
+        )
+    ratios = [
+        results[m, w, "c"]["samples_per_s"] / results[m, w, "b"]["samples_per_s"] for m, w in cases
+    ]
     print(f"\nmedian samples/s (c)/(b): {statistics.median(ratios):.2f}")
 
 

@@ -85,8 +85,9 @@ def _shard(model: nn.Module) -> nn.Module:
     return model
 
 
-def register_compression(ddp: nn.parallel.DistributedDataParallel,
-                         options: DistributedOptions) -> Any:
+def register_compression(
+    ddp: nn.parallel.DistributedDataParallel, options: DistributedOptions
+) -> Any:
     """Registers the gradient-compression communication hook; returns its state (PowerSGD's)
     or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -112,8 +113,11 @@ def register_compression(ddp: nn.parallel.DistributedDataParallel,
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model) if isinstance(
-        model, nn.parallel.DistributedDataParallel) else model
+    return (
+        getattr(model, "module", model)
+        if isinstance(model, nn.parallel.DistributedDataParallel)
+        else model
+    )
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -219,8 +223,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
     )
 
 
-def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   state: dict[str, Any]) -> None:
+def load_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
     """Load what ``full_state`` saved (possibly at another world size)."""
     if not is_sharded(model):
         optimizer.load_state_dict(state)
@@ -228,6 +233,8 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     set_optimizer_state_dict(
-        model, optimizer, optim_state_dict=state,
+        model,
+        optimizer,
+        optim_state_dict=state,
         options=StateDictOptions(full_state_dict=True),
     )

@@ -95,8 +95,9 @@ def total_steps(settings: LoopSettings, dataset_size: int) -> int:
 
 def micro_batches(share_size: int, micro_batch_size: int) -> list[tuple[int, int]]:
     """[start, end) slices of a rank's share, each at most ``micro_batch_size``."""
-    return [(i, min(i + micro_batch_size, share_size))
-            for i in range(0, share_size, micro_batch_size)]
+    return [
+        (i, min(i + micro_batch_size, share_size)) for i in range(0, share_size, micro_batch_size)
+    ]
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -116,8 +117,14 @@ def _rows(obj: Any, start: int, end: int) -> Any:
 class _StepBatches(torch.utils.data.Sampler[list[int]]):
     """Feeds the DataLoader this rank's indices for each optimizer step from a position."""
 
-    def __init__(self, position: SamplerPosition, dataset_size: int, settings: LoopSettings,
-                 world_size: int, rank: int) -> None:
+    def __init__(
+        self,
+        position: SamplerPosition,
+        dataset_size: int,
+        settings: LoopSettings,
+        world_size: int,
+        rank: int,
+    ) -> None:
         self.position = position
         self.dataset_size = dataset_size
         self.settings = settings
@@ -127,8 +134,12 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         for position, indices, batch in rank_indices(
-            self.position, self.dataset_size, self.settings.global_batch_size,
-            self.settings.seed, self.world_size, self.rank,
+            self.position,
+            self.dataset_size,
+            self.settings.global_batch_size,
+            self.settings.seed,
+            self.world_size,
+            self.rank,
         ):
             self.plan.append((position, indices, batch))
             yield indices
@@ -145,8 +156,9 @@ class _SampleLog:
 
     def write(self, step: int, epoch: int, indices: list[int]) -> None:
         if self.file is not None:
-            self.file.write(json.dumps({"a": self.attempt, "s": step, "e": epoch,
-                                        "i": indices}) + "\n")
+            self.file.write(
+                json.dumps({"a": self.attempt, "s": step, "e": epoch, "i": indices}) + "\n"
+            )
             self.file.flush()
 
 
@@ -154,15 +166,18 @@ class TrainContext:
     """What ``train_loop(config, ctx)`` receives. See the module docstring and
     ``examples/custom_train_loop.py``."""
 
-    def __init__(self, config: dict[str, Any], worker: WorkerContext,
-                 options: DistributedOptions | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker: WorkerContext,
+        options: DistributedOptions | None = None,
+    ) -> None:
         self.config = config
         self.hyperparameters: dict[str, Any] = dict(config.get("hyperparameters") or {})
         self.worker = worker
         self.options = options or DistributedOptions.from_dict(config.get("distributed"))
         self.precision = Precision(self.options.precision, worker.device)
-        self.local_sgd = LocalSGD(self.options.local_sgd_period) \
-            if self.options.local_sgd else None
+        self.local_sgd = LocalSGD(self.options.local_sgd_period) if self.options.local_sgd else None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -173,8 +188,9 @@ class TrainContext:
         # (and seeded) its model.
         self._restored = worker.restore(set_rng=False)
         self.step = int(self._restored["step"]) if self._restored else 0
-        self.position = position_from_dict(self._restored["sampler"]) \
-            if self._restored else SamplerPosition()
+        self.position = (
+            position_from_dict(self._restored["sampler"]) if self._restored else SamplerPosition()
+        )
         if self._restored:
             self.state = dict(self._restored.get("user") or {})
             self.precision.load_state_dict(self._restored.get("grad_scaler"))
@@ -218,8 +234,10 @@ class TrainContext:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer, its state restored from the attempt's checkpoint."""
         if self.model is None:
-            raise RuntimeError("call ctx.prepare_model first: the optimizer must hold the "
-                               "prepared model's parameters")
+            raise RuntimeError(
+                "call ctx.prepare_model first: the optimizer must hold the "
+                "prepared model's parameters"
+            )
         if self._restored:
             load_optimizer(self.model, optimizer, self._restored["optimizer"])
         self.optimizer = optimizer
@@ -228,9 +246,17 @@ class TrainContext:
     # -- the steps -----------------------------------------------------------------------
 
     def batches(
-        self, dataset: Dataset, global_batch_size: int, *, epochs: int | None = None,
-        max_steps: int | None = None, seed: int = 0, lr_schedule: str = "constant",
-        warmup_steps: int = 0, report_every_steps: int = 1, record_samples: bool = False,
+        self,
+        dataset: Dataset,
+        global_batch_size: int,
+        *,
+        epochs: int | None = None,
+        max_steps: int | None = None,
+        seed: int = 0,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        report_every_steps: int = 1,
+        record_samples: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> Iterator[StepBatch]:
         """One ``StepBatch`` per optimizer step, from where the checkpoint left off to the
@@ -239,26 +265,40 @@ class TrainContext:
         ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch."""
         if self.model is None or self.optimizer is None:
             raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
-        settings = LoopSettings(global_batch_size, seed, max_steps, epochs, report_every_steps,
-                                lr_schedule, warmup_steps, record_samples)
+        settings = LoopSettings(
+            global_batch_size,
+            seed,
+            max_steps,
+            epochs,
+            report_every_steps,
+            lr_schedule,
+            warmup_steps,
+            record_samples,
+        )
         dataset_size = len(dataset)  # type: ignore[arg-type]
         last_step = self._final_step = total_steps(settings, dataset_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps))
+            self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps)
+        )
         if self._restored and self._restored.get("scheduler"):
             self.scheduler.load_state_dict(self._restored["scheduler"])
             # Making the scheduler set the lr of step 0; the restored step's lr is the one.
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(),
-                                 strict=True):
+            for group, lr in zip(
+                self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+            ):
                 group["lr"] = lr
         # The micro-batch is a worker's share at full size: fewer workers accumulate more
         # of them, so memory per step stays put and one optimizer step still sees the
         # global batch.
         self._micro = math.ceil(global_batch_size / self.worker.max_workers)
-        sampler = _StepBatches(self.position, dataset_size, settings, self.world_size,
-                               self.rank)
-        loader = DataLoader(dataset, batch_sampler=sampler, num_workers=0,
-                            collate_fn=collate_fn, pin_memory=self.device.type == "cuda")
+        sampler = _StepBatches(self.position, dataset_size, settings, self.world_size, self.rank)
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=0,
+            collate_fn=collate_fn,
+            pin_memory=self.device.type == "cuda",
+        )
         samples = _SampleLog(self.worker, record_samples)
         if self._restored:
             set_rng_state(self._restored.get("rng"))
@@ -271,22 +311,29 @@ class TrainContext:
             position, indices, global_batch = sampler.plan.pop(0)
             after = advance(position, dataset_size, global_batch_size)
             batch = StepBatch(
-                step=self.step + 1, epoch=position.epoch,
+                step=self.step + 1,
+                epoch=position.epoch,
                 inputs=_map(inputs, lambda t: t.to(self.device, non_blocking=True)),
                 targets=targets.to(self.device, non_blocking=True),
-                global_batch=global_batch, indices=indices,
+                global_batch=global_batch,
+                indices=indices,
                 ends_epoch=after.epoch != position.epoch,
             )
             yield batch
             if self._trained != batch.step:
-                raise RuntimeError(f"step {batch.step}: every batch must go through "
-                                   "ctx.train_step(batch, loss_per_sample)")
+                raise RuntimeError(
+                    f"step {batch.step}: every batch must go through "
+                    "ctx.train_step(batch, loss_per_sample)"
+                )
             self.step = batch.step
             samples.write(self.step, position.epoch, indices)
             self.position = after
             window_samples += global_batch
-            if (self.step in (first_step, last_step) or self.step % report_every_steps == 0
-                    or self._extra_metrics):
+            if (
+                self.step in (first_step, last_step)
+                or self.step % report_every_steps == 0
+                or self._extra_metrics
+            ):
                 elapsed = time.perf_counter() - window_start
                 self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
                 window_start, window_samples = time.perf_counter(), 0
@@ -317,8 +364,11 @@ class TrainContext:
                     # DDP and FSDP average over ranks; world/global makes the sum the exact
                     # mean over the global batch whatever the world size and its split.
                     loss = losses.sum() * (self.world_size / batch.global_batch)
-                    if isinstance(outputs, torch.Tensor) and outputs.dim() == 2 \
-                            and not targets.is_floating_point():
+                    if (
+                        isinstance(outputs, torch.Tensor)
+                        and outputs.dim() == 2
+                        and not targets.is_floating_point()
+                    ):
                         correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
                     loss_sum += losses.detach().sum()
                 else:  # a short last batch left this rank nothing: join with zeros
@@ -329,8 +379,9 @@ class TrainContext:
         # Local SGD averages every H steps and at the end, so the final model is the
         # average; submission makes checkpoint.every_steps a multiple of H, so every
         # checkpoint holds the averaged model too.
-        if self.local_sgd is not None and (self.local_sgd.due(batch.step)
-                                           or batch.step == self._final_step):
+        if self.local_sgd is not None and (
+            self.local_sgd.due(batch.step) or batch.step == self._final_step
+        ):
             self.local_sgd.average(model, batch.step)
         self._totals = torch.stack([loss_sum, correct])
         self._step_global_batch = batch.global_batch
@@ -348,8 +399,9 @@ class TrainContext:
         gathers the loss across them); rank 0's values are the ones sent."""
         self._extra_metrics.update(metrics)
 
-    def evaluate(self, dataset: Dataset, loss_per_sample: LossPerSample | None = None,
-                 batch_size: int = 256) -> dict[str, float]:
+    def evaluate(
+        self, dataset: Dataset, loss_per_sample: LossPerSample | None = None, batch_size: int = 256
+    ) -> dict[str, float]:
         """The model on a held-out dataset, split across the workers; every rank must call
         it. ``eval_accuracy`` when the outputs are class scores and the targets class ids,
         ``eval_loss`` (the mean of ``loss_per_sample``) when it is given. The result also
@@ -369,16 +421,14 @@ class TrainContext:
                 if hi <= lo and not is_sharded(model):
                     break
                 idx = list(range(lo, hi)) if hi > lo else [0]
-                inputs, targets = next(iter(DataLoader(Subset(dataset, idx),
-                                                       batch_size=len(idx))))
+                inputs, targets = next(iter(DataLoader(Subset(dataset, idx), batch_size=len(idx))))
                 inputs = self._cast(_map(inputs, lambda t: t.to(self.device)))
                 targets = targets.to(self.device)
                 with self.precision.autocast():
                     outputs = model(inputs)
                 if hi <= lo:
                     continue  # a forward to keep FSDP's collectives in step, nothing to count
-                if outputs.dim() == 2 and outputs.shape[1] > 1 \
-                        and not targets.is_floating_point():
+                if outputs.dim() == 2 and outputs.shape[1] > 1 and not targets.is_floating_point():
                     totals[0] += (outputs.argmax(dim=1) == targets).sum()
                     totals[1] += len(idx)
                 if loss_per_sample is not None:
@@ -404,18 +454,22 @@ class TrainContext:
         if self.rank == 0:
             assert self.scheduler is not None
             global_batch = self._step_global_batch
-            self.worker.emit("metrics", {
-                "step": self.step,
-                "epoch": self.position.epoch if self.position.consumed
-                else self.position.epoch - 1,
-                "loss": float(totals[0]) / global_batch,
-                "accuracy": float(totals[1]) / global_batch,
-                "samples_per_s": samples_per_s,
-                "learning_rate": self.scheduler.get_last_lr()[0],
-                "world_size": self.world_size,
-                "total_steps": last_step,
-                **self._extra_metrics,
-            })
+            self.worker.emit(
+                "metrics",
+                {
+                    "step": self.step,
+                    "epoch": self.position.epoch
+                    if self.position.consumed
+                    else self.position.epoch - 1,
+                    "loss": float(totals[0]) / global_batch,
+                    "accuracy": float(totals[1]) / global_batch,
+                    "samples_per_s": samples_per_s,
+                    "learning_rate": self.scheduler.get_last_lr()[0],
+                    "world_size": self.world_size,
+                    "total_steps": last_step,
+                    **self._extra_metrics,
+                },
+            )
         self._extra_metrics = {}
 
     def _checkpoint(self, last_step: int) -> None:
@@ -424,15 +478,18 @@ class TrainContext:
         model_state, optimizer_state = full_state(model, optimizer)  # collective for FSDP
         pause = False
         if self.rank == 0:
-            self.worker.save(self.step, {
-                "model": model_state,
-                "optimizer": optimizer_state,
-                "scheduler": self.scheduler.state_dict(),
-                "grad_scaler": self.precision.state_dict(),
-                "step": self.step,
-                "sampler": position_to_dict(self.position),
-                "user": self.state,
-            })
+            self.worker.save(
+                self.step,
+                {
+                    "model": model_state,
+                    "optimizer": optimizer_state,
+                    "scheduler": self.scheduler.state_dict(),
+                    "grad_scaler": self.precision.state_dict(),
+                    "step": self.step,
+                    "sampler": position_to_dict(self.position),
+                    "user": self.state,
+                },
+            )
             pause = self.step < last_step and self.worker.should_pause(self.step)
         if self.world_size > 1 and self.step < last_step:
             flag = torch.tensor([1.0 if pause else 0.0], device=self.device)
@@ -442,8 +499,11 @@ class TrainContext:
             raise PausedForResize(self.step)
 
 
-def run_with_context(train_loop: Callable[[dict[str, Any], TrainContext], Any],
-                     config: dict[str, Any], worker: WorkerContext | None = None) -> None:
+def run_with_context(
+    train_loop: Callable[[dict[str, Any], TrainContext], Any],
+    config: dict[str, Any],
+    worker: WorkerContext | None = None,
+) -> None:
     """Run a ``train_loop(config, ctx)``; a pause for a resize ends it normally."""
     ctx = TrainContext(config, worker or WorkerContext.from_config(config))
     try:

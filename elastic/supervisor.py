@@ -119,8 +119,7 @@ def run_train_loop(config: dict[str, Any]) -> None:
     rank = ray.train.get_context().get_world_rank()
 
     def send(lines: list[list[Any]]) -> None:
-        supervisor.record.remote("log", {"attempt": meta["attempt"], "rank": rank,
-                                         "lines": lines})
+        supervisor.record.remote("log", {"attempt": meta["attempt"], "rank": rank, "lines": lines})
 
     with forward_output(send):
         run_with_context(train_loop, config)
@@ -197,9 +196,14 @@ class Supervisor:
         self.pending = [e for e in self.pending if e["seq"] > seq]
 
     async def status(self) -> dict[str, Any]:
-        return {"state": self.state, "attempt": self.attempt, "world_size": self.world_size,
-                "step": self.last_step, "pending": len(self.pending),
-                "worker_nodes": dict(self.worker_nodes)}
+        return {
+            "state": self.state,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "step": self.last_step,
+            "pending": len(self.pending),
+            "worker_nodes": dict(self.worker_nodes),
+        }
 
     async def cancel(self, reason: str) -> str:
         if self.state in TERMINAL:
@@ -259,8 +263,7 @@ class Supervisor:
             if self.cancelled:
                 return
             if outcome.error is None and self.paused_at is not None:
-                self.recovery = Recovery("grow", size, self.paused_at, self.paused_at,
-                                         time.time())
+                self.recovery = Recovery("grow", size, self.paused_at, self.paused_at, time.time())
                 await self._wait_for_release(self.resize_to or size)
                 continue
             if outcome.error is None:
@@ -273,18 +276,26 @@ class Supervisor:
             lost = self._lost_nodes(outcome.dead_ranks)
             for node in lost:
                 self.suspects[node] = seen
-            self.recovery = Recovery("loss" if lost else "failure", size, self.last_step,
-                                     self.checkpoint_step, seen)
+            self.recovery = Recovery(
+                "loss" if lost else "failure", size, self.last_step, self.checkpoint_step, seen
+            )
             if lost:
-                self._emit("worker_lost", {
-                    "kind": "worker_lost", **self._recovery_fields(None), "nodes": sorted(lost),
-                    "ranks": sorted(r for r, n in self.worker_nodes.items() if n in lost),
-                    "reason": outcome.error})
+                self._emit(
+                    "worker_lost",
+                    {
+                        "kind": "worker_lost",
+                        **self._recovery_fields(None),
+                        "nodes": sorted(lost),
+                        "ranks": sorted(r for r, n in self.worker_nodes.items() if n in lost),
+                        "reason": outcome.error,
+                    },
+                )
             if restarts >= plan.max_restarts:
                 self._set_state(
                     "failed",
                     reason=f"{outcome.error} (gave up after {restarts} restart"
-                    f"{'' if restarts == 1 else 's'}; max_restarts is {plan.max_restarts})")
+                    f"{'' if restarts == 1 else 's'}; max_restarts is {plan.max_restarts})",
+                )
                 return
             restarts += 1
             self._set_state("recovering", reason=outcome.error, restarts=restarts)
@@ -303,10 +314,14 @@ class Supervisor:
         self.checkpoint_step = checkpoint.step if checkpoint else None
         if self.state == "queued":
             self._set_state("starting", world_size=size)
-        self._emit("attempt_started", {
-            "attempt": self.attempt, "world_size": size,
-            "checkpoint_step": checkpoint.step if checkpoint else None,
-        })
+        self._emit(
+            "attempt_started",
+            {
+                "attempt": self.attempt,
+                "world_size": size,
+                "checkpoint_step": checkpoint.step if checkpoint else None,
+            },
+        )
 
     async def _wait_for_capacity(self) -> int | None:
         per_worker = self.plan.resources_per_worker
@@ -325,7 +340,8 @@ class Supervisor:
                     "failed",
                     reason=f"only {fit} worker{'' if fit == 1 else 's'} of {per_worker} fit, "
                     f"below min_workers ({self.plan.min_workers}), for longer than the "
-                    f"{self.plan.min_workers_grace_s:g} s grace period")
+                    f"{self.plan.min_workers_grace_s:g} s grace period",
+                )
                 return None
             await asyncio.sleep(CAPACITY_POLL_S)
         return None
@@ -343,8 +359,9 @@ class Supervisor:
     def _fit_now(self) -> int:
         alive = capacity.alive_nodes()
         now = time.time()
-        self.suspects = {n: t for n, t in self.suspects.items()
-                         if n in alive and now - t < SUSPECT_TTL_S}
+        self.suspects = {
+            n: t for n, t in self.suspects.items() if n in alive and now - t < SUSPECT_TTL_S
+        }
         return capacity.workers_free_now(self.plan.resources_per_worker, exclude=self.suspects)
 
     def _lost_nodes(self, dead_ranks: list[int]) -> set[str]:
@@ -406,12 +423,18 @@ class Supervisor:
             gone = {n for n in self.worker_nodes.values() if n not in alive}
             if gone:
                 self.loss_seen_at = self.loss_seen_at or time.time()
-                self.ended_reason = f"node{'s' if len(gone) > 1 else ''} " \
+                self.ended_reason = (
+                    f"node{'s' if len(gone) > 1 else ''} "
                     f"{', '.join(sorted(g[:12] for g in gone))} left the cluster"
+                )
                 self._end_attempt()
                 return
-            if self.state == "running" and self.recovery is None and self.resize_to is None \
-                    and size < self.plan.max_workers:
+            if (
+                self.state == "running"
+                and self.recovery is None
+                and self.resize_to is None
+                and size < self.plan.max_workers
+            ):
                 free = await asyncio.to_thread(self._fit_now)
                 self.resize_to = grow_target(size, self.plan.max_workers, free)
 
@@ -451,6 +474,5 @@ class Supervisor:
         self._emit("state", {"state": target, "previous": previous, "reason": reason, **extra})
 
     def _emit(self, kind: str, data: dict[str, Any]) -> None:
-        self.pending.append({"seq": self.next_seq, "kind": kind, "time": time.time(),
-                             "data": data})
+        self.pending.append({"seq": self.next_seq, "kind": kind, "time": time.time(), "data": data})
         self.next_seq += 1

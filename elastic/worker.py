@@ -66,17 +66,31 @@ class WorkerContext:
         return worker
 
     @classmethod
-    def standalone(cls, rank: int, world_size: int, checkpoint_dir: str, every_steps: int,
-                   max_workers: int | None = None, resume_path: str | None = None,
-                   device: torch.device | None = None, keep: int = 3,
-                   attempt: int = 1) -> WorkerContext:
+    def standalone(
+        cls,
+        rank: int,
+        world_size: int,
+        checkpoint_dir: str,
+        every_steps: int,
+        max_workers: int | None = None,
+        resume_path: str | None = None,
+        device: torch.device | None = None,
+        keep: int = 3,
+        attempt: int = 1,
+    ) -> WorkerContext:
         """A worker in a process group formed without Ray (``torch.multiprocessing``, a
         debugger): the same training code runs, and its events stay in ``local_events``."""
         return cls(
-            rank=rank, world_size=world_size, attempt=attempt,
-            checkpoints=CheckpointDir(checkpoint_dir), every_steps=every_steps, keep=keep,
-            supervisor=None, resume_path=resume_path,
-            max_workers=max_workers or world_size, device=device or torch.device("cpu"),
+            rank=rank,
+            world_size=world_size,
+            attempt=attempt,
+            checkpoints=CheckpointDir(checkpoint_dir),
+            every_steps=every_steps,
+            keep=keep,
+            supervisor=None,
+            resume_path=resume_path,
+            max_workers=max_workers or world_size,
+            device=device or torch.device("cpu"),
         )
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
@@ -99,8 +113,12 @@ class WorkerContext:
         info = self.checkpoints.save(step, lambda d: torch.save(state, d / STATE_FILE))
         self.emit(
             "checkpoint_saved",
-            {"step": step, "path": info.path, "size_bytes": info.size_bytes,
-             "created_at": info.created_at},
+            {
+                "step": step,
+                "path": info.path,
+                "size_bytes": info.size_bytes,
+                "created_at": info.created_at,
+            },
         )
         for removed in self.checkpoints.prune(self.keep):
             self.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})

@@ -49,8 +49,10 @@ class LineBuffer:
                 self._partial.clear()
             lines, self._lines = self._lines, []
             if self._dropped:
-                lines.insert(0, [time.time(), "stderr",
-                                 f"[elastic-train: {self._dropped} log lines dropped]"])
+                lines.insert(
+                    0,
+                    [time.time(), "stderr", f"[elastic-train: {self._dropped} log lines dropped]"],
+                )
                 self._dropped = 0
             return lines
 

@@ -44,11 +44,13 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     train, held_out = make_points(4096, seed), make_points(512, seed + 1)
 
     torch.manual_seed(seed)  # the same initial weights on every worker
-    model = ctx.prepare_model(nn.Sequential(
-        nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)))
+    model = ctx.prepare_model(
+        nn.Sequential(nn.Linear(3, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    )
     # Build the optimizer from the *prepared* model's parameters (FSDP replaces them).
     optimizer = ctx.prepare_optimizer(
-        torch.optim.Adam(model.parameters(), lr=float(hp.get("learning_rate", 3e-3))))
+        torch.optim.Adam(model.parameters(), lr=float(hp.get("learning_rate", 3e-3)))
+    )
 
     for batch in ctx.batches(
         train,

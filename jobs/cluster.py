@@ -23,20 +23,23 @@ def nodes() -> list[dict[str, Any]]:
         node_id = str(node["NodeID"])
         total = node.get("Resources", {}) or {}
         available = free.get(node_id, {}) if node.get("Alive") else {}
-        out.append({
-            "node_id": node_id,
-            "address": str(node.get("NodeManagerAddress", "")),
-            "alive": bool(node.get("Alive")),
-            "is_head": HEAD_RESOURCE in total,
-            "total": {k: float(total.get(k, 0.0)) for k in SHOWN_RESOURCES},
-            "available": {k: float(available.get(k, 0.0)) for k in SHOWN_RESOURCES},
-        })
+        out.append(
+            {
+                "node_id": node_id,
+                "address": str(node.get("NodeManagerAddress", "")),
+                "alive": bool(node.get("Alive")),
+                "is_head": HEAD_RESOURCE in total,
+                "total": {k: float(total.get(k, 0.0)) for k in SHOWN_RESOURCES},
+                "available": {k: float(available.get(k, 0.0)) for k in SHOWN_RESOURCES},
+            }
+        )
     out.sort(key=lambda n: (not n["alive"], not n["is_head"], n["address"], n["node_id"]))
     return out
 
 
-async def worker_nodes(job_ids: list[str], namespace: str,
-                       timeout_s: float = 5.0) -> dict[str, dict[int, str]]:
+async def worker_nodes(
+    job_ids: list[str], namespace: str, timeout_s: float = 5.0
+) -> dict[str, dict[int, str]]:
     """job id -> {rank: node id} of its current attempt. A job whose supervisor is gone or
     does not answer in time is left out (it holds no workers this page can name)."""
 

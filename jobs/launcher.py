@@ -94,8 +94,7 @@ def max_workers_ever(spec: JobSpec) -> int:
     return capacity.workers_ever(spec.scaling.worker_resources())
 
 
-def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str,
-           first_seq: int) -> Any:
+def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str, first_seq: int) -> Any:
     """Start the job's supervisor (detached: it outlives the API process) and its loop."""
     workload = WORKLOADS.get(spec.workload)
     train_loop = workload.train_loop if workload else spec.workload

@@ -77,32 +77,40 @@ class DistributedSpec(BaseModel):
         "auto", description="Collective backend: auto is NCCL when workers have GPUs, else Gloo."
     )
     strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: every worker holds the whole model; fsdp: parameters, "
-        "gradients and optimizer state are sharded across the workers."
+        "ddp",
+        description="ddp: every worker holds the whole model; fsdp: parameters, "
+        "gradients and optimizer state are sharded across the workers.",
     )
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
-        "none", description="A DDP communication hook that compresses gradients before "
-        "they are averaged."
+        "none",
+        description="A DDP communication hook that compresses gradients before they are averaged.",
     )
     powersgd_rank: int = Field(
         1, ge=1, le=1024, description="Rank of PowerSGD's low-rank gradient approximation."
     )
     powersgd_start_step: int = Field(
-        2, ge=2, le=100_000_000,
+        2,
+        ge=2,
+        le=100_000_000,
         description="Optimizer steps averaged exactly before PowerSGD starts compressing.",
     )
     bucket_cap_mb: float = Field(
-        25.0, gt=0, le=4096, description="DDP gradient bucket size: smaller buckets start "
-        "communicating earlier during the backward pass."
+        25.0,
+        gt=0,
+        le=4096,
+        description="DDP gradient bucket size: smaller buckets start "
+        "communicating earlier during the backward pass.",
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="fp32; bf16 autocast (CPU or GPU); fp16 autocast with a gradient "
-        "scaler (GPU only)."
+        "fp32",
+        description="fp32; bf16 autocast (CPU or GPU); fp16 autocast with a gradient "
+        "scaler (GPU only).",
     )
     sync: Literal["every_step", "local_sgd"] = Field(
-        "every_step", description="every_step: gradients averaged every step; local_sgd: "
+        "every_step",
+        description="every_step: gradients averaged every step; local_sgd: "
         "workers step on their own gradients and average parameters every local_sgd_period "
-        "steps."
+        "steps.",
     )
     local_sgd_period: int = Field(
         8, ge=1, le=1_000_000, description="H: the steps between parameter averages."
@@ -137,8 +145,10 @@ class JobSpec(BaseModel):
 
     def train_config(self) -> dict[str, Any]:
         """What every worker's ``train_loop(config, ctx)`` receives."""
-        return {"hyperparameters": self.hyperparameters,
-                "distributed": self.distributed.model_dump()}
+        return {
+            "hyperparameters": self.hyperparameters,
+            "distributed": self.distributed.model_dump(),
+        }
 
     @model_validator(mode="after")
     def _check_distributed(self) -> JobSpec:
@@ -149,30 +159,55 @@ class JobSpec(BaseModel):
             return field_error("JobSpec", f"distributed.{name}", message, value)
 
         if d.backend == "nccl" and gpus == 0:
-            raise refuse("backend", "nccl needs GPUs: set scaling.gpus_per_worker above 0, "
-                         "or use backend auto or gloo on CPU workers", d.backend)
+            raise refuse(
+                "backend",
+                "nccl needs GPUs: set scaling.gpus_per_worker above 0, "
+                "or use backend auto or gloo on CPU workers",
+                d.backend,
+            )
         if d.precision == "fp16" and gpus == 0:
-            raise refuse("precision", "fp16 needs GPUs (its gradient scaler is CUDA's): set "
-                         "scaling.gpus_per_worker above 0, or use bf16 or fp32 on CPU "
-                         "workers", d.precision)
+            raise refuse(
+                "precision",
+                "fp16 needs GPUs (its gradient scaler is CUDA's): set "
+                "scaling.gpus_per_worker above 0, or use bf16 or fp32 on CPU "
+                "workers",
+                d.precision,
+            )
         if d.strategy == "fsdp" and d.gradient_compression != "none":
-            raise refuse("gradient_compression", "gradient compression hooks are DDP's: use "
-                         "strategy ddp, or gradient_compression none with fsdp",
-                         d.gradient_compression)
+            raise refuse(
+                "gradient_compression",
+                "gradient compression hooks are DDP's: use "
+                "strategy ddp, or gradient_compression none with fsdp",
+                d.gradient_compression,
+            )
         if d.strategy == "fsdp" and d.sync == "local_sgd":
-            raise refuse("sync", "local_sgd needs every worker to hold the whole model: use "
-                         "strategy ddp with it", d.sync)
+            raise refuse(
+                "sync",
+                "local_sgd needs every worker to hold the whole model: use strategy ddp with it",
+                d.sync,
+            )
         if d.sync == "local_sgd" and d.gradient_compression != "none":
-            raise refuse("gradient_compression", "with local_sgd no gradients are "
-                         "communicated, so there is nothing to compress", d.gradient_compression)
+            raise refuse(
+                "gradient_compression",
+                "with local_sgd no gradients are communicated, so there is nothing to compress",
+                d.gradient_compression,
+            )
         if d.sync == "local_sgd" and self.checkpoint.every_steps % d.local_sgd_period:
-            raise refuse("local_sgd_period", f"checkpoint.every_steps "
-                         f"({self.checkpoint.every_steps}) must be a multiple of "
-                         f"local_sgd_period ({d.local_sgd_period}), so that every checkpoint "
-                         "holds the averaged model", d.local_sgd_period)
+            raise refuse(
+                "local_sgd_period",
+                f"checkpoint.every_steps "
+                f"({self.checkpoint.every_steps}) must be a multiple of "
+                f"local_sgd_period ({d.local_sgd_period}), so that every checkpoint "
+                "holds the averaged model",
+                d.local_sgd_period,
+            )
         if d.precision != "fp32" and self.hyperparameters.get("dtype") == "float64":
-            raise refuse("precision", f"precision {d.precision} with hyperparameters.dtype "
-                         "float64: mixed precision needs float32 parameters", d.precision)
+            raise refuse(
+                "precision",
+                f"precision {d.precision} with hyperparameters.dtype "
+                "float64: mixed precision needs float32 parameters",
+                d.precision,
+            )
         return self
 
     @model_validator(mode="after")

@@ -30,8 +30,7 @@ from service.schemas import (
 )
 from service.store import Store
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)],
-                   responses=PROBLEM_RESPONSES)
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=PROBLEM_RESPONSES)
 
 CallerDep = Annotated[Caller, Depends(require_token)]
 # A key reserved this long without a job belongs to a submission that died with the
@@ -66,12 +65,15 @@ def me(caller: CallerDep) -> Me:
 
 
 def _fingerprint(spec: JobSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
-                          ).hexdigest()
+    return hashlib.sha256(
+        json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
+    ).hexdigest()
 
 
 @router.post(
-    "/jobs", status_code=status.HTTP_201_CREATED, response_model=JobOut,
+    "/jobs",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobOut,
     summary="Submit a training job",
     description="With an `Idempotency-Key` header, a retry with the same key and body "
     "answers 200 with the job the first request made; the same key with another body is "
@@ -79,24 +81,43 @@ def _fingerprint(spec: JobSpec) -> str:
     responses={200: {"model": JobOut, "description": "A replay of an earlier submission"}},
 )
 async def submit_job(
-    spec: JobSpec, request: Request, response: Response, control: Control, caller: CallerDep,
+    spec: JobSpec,
+    request: Request,
+    response: Response,
+    control: Control,
+    caller: CallerDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> JobOut:
     store = _store(request)
     if idempotency_key is not None:
         fingerprint = _fingerprint(spec)
-        held = await asyncio.to_thread(store.claim_idempotency_key, caller.user,
-                                       idempotency_key, fingerprint, IDEMPOTENCY_STALE_S)
+        held = await asyncio.to_thread(
+            store.claim_idempotency_key,
+            caller.user,
+            idempotency_key,
+            fingerprint,
+            IDEMPOTENCY_STALE_S,
+        )
         if held is not None:
             if held.fingerprint != fingerprint:
-                raise Problem(422, "Idempotency-Key reused",
-                              "this Idempotency-Key was used with a different request body",
-                              errors=[{"field": "Idempotency-Key",
-                                       "message": "already used with a different body"}])
+                raise Problem(
+                    422,
+                    "Idempotency-Key reused",
+                    "this Idempotency-Key was used with a different request body",
+                    errors=[
+                        {
+                            "field": "Idempotency-Key",
+                            "message": "already used with a different body",
+                        }
+                    ],
+                )
             if held.job_id is None:
-                raise Problem(409, "Request in progress", "a request with this "
-                              "Idempotency-Key is still being processed; retry later",
-                              headers={"Retry-After": "1"})
+                raise Problem(
+                    409,
+                    "Request in progress",
+                    "a request with this Idempotency-Key is still being processed; retry later",
+                    headers={"Retry-After": "1"},
+                )
             job = await asyncio.to_thread(_job, store, held.job_id, caller)
             response.status_code = status.HTTP_200_OK
             response.headers["Location"] = f"/v1/jobs/{job.id}"
@@ -105,8 +126,7 @@ async def submit_job(
         job = await control.submit(spec, owner=caller.user, idempotency_key=idempotency_key)
     except BaseException:
         if idempotency_key is not None:
-            await asyncio.to_thread(store.release_idempotency_key, caller.user,
-                                    idempotency_key)
+            await asyncio.to_thread(store.release_idempotency_key, caller.user, idempotency_key)
         raise
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.model_validate(job)
@@ -121,12 +141,12 @@ def list_jobs(
     cursor: Annotated[str | None, Query(max_length=200)] = None,
 ) -> JobPage:
     try:
-        page = store.list_jobs(state, limit, cursor,
-                               owner=None if caller.is_admin else caller.user)
+        page = store.list_jobs(state, limit, cursor, owner=None if caller.is_admin else caller.user)
     except ValueError as e:
         raise Problem(400, "Invalid request", f"cursor: {e}") from e
-    return JobPage(items=[JobOut.model_validate(j) for j in page.items],
-                   next_cursor=page.next_cursor)
+    return JobPage(
+        items=[JobOut.model_validate(j) for j in page.items], next_cursor=page.next_cursor
+    )
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut, summary="One job")
@@ -135,14 +155,16 @@ def get_job(job_id: str, store: StoreDep, caller: CallerDep) -> JobOut:
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, summary="Cancel a job")
-async def cancel_job(job_id: str, store: StoreDep, control: Control,
-                     caller: CallerDep) -> JobOut:
+async def cancel_job(job_id: str, store: StoreDep, control: Control, caller: CallerDep) -> JobOut:
     await asyncio.to_thread(_job, store, job_id, caller)
     return JobOut.model_validate(await control.cancel(job_id))
 
 
-@router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList,
-            summary="The job's retained checkpoints, oldest first")
+@router.get(
+    "/jobs/{job_id}/checkpoints",
+    response_model=CheckpointList,
+    summary="The job's retained checkpoints, oldest first",
+)
 def list_checkpoints(job_id: str, store: StoreDep, caller: CallerDep) -> CheckpointList:
     _job(store, job_id, caller)
     return CheckpointList.model_validate({"items": store.checkpoints(job_id)})
@@ -163,15 +185,26 @@ def _resume_point(request: Request, after: int) -> int:
 
 
 def _sse(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
-def _job_stream(request: Request, store: Store, job_id: str, after: int,
-                kinds: tuple[str, ...] | None) -> StreamingResponse:
-    return _sse(streams.job_events(store, request.app.state.hub, job_id,
-                                   _resume_point(request, after),
-                                   request.app.state.settings.sse_keepalive_s, kinds))
+def _job_stream(
+    request: Request, store: Store, job_id: str, after: int, kinds: tuple[str, ...] | None
+) -> StreamingResponse:
+    return _sse(
+        streams.job_events(
+            store,
+            request.app.state.hub,
+            job_id,
+            _resume_point(request, after),
+            request.app.state.settings.sse_keepalive_s,
+            kinds,
+        )
+    )
 
 
 @router.get(
@@ -198,11 +231,15 @@ async def list_events(
         return _job_stream(request, store, job_id, after, kinds)
     events = await asyncio.to_thread(store.events, job_id, after, limit, kinds)
     return EventPage.model_validate(
-        {"items": events, "next_after": events[-1].seq if events else after})
+        {"items": events, "next_after": events[-1].seq if events else after}
+    )
 
 
-@router.get("/jobs/{job_id}/metrics", response_model=MetricSeries,
-            summary="The job's metrics as columns, optionally downsampled")
+@router.get(
+    "/jobs/{job_id}/metrics",
+    response_model=MetricSeries,
+    summary="The job's metrics as columns, optionally downsampled",
+)
 def get_metrics(
     job_id: str,
     store: StoreDep,
@@ -216,8 +253,9 @@ def get_metrics(
     columns = store.metrics(job_id)
     total = len(columns["step"])
     keep = downsample(total, every=every, points=points)
-    return MetricSeries(total_points=total,
-                        columns={k: [v[i] for i in keep] for k, v in columns.items()})
+    return MetricSeries(
+        total_points=total, columns={k: [v[i] for i in keep] for k, v in columns.items()}
+    )
 
 
 @router.get(
@@ -240,9 +278,18 @@ async def get_logs(
     if follow:
         return _job_stream(request, store, job_id, after, ("log",))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
-    lines = [LogLine(seq=e.seq, rank=e.data["rank"], attempt=e.data["attempt"], time=t,
-                     stream=stream, line=text)
-             for e in events for t, stream, text in e.data["lines"]]
+    lines = [
+        LogLine(
+            seq=e.seq,
+            rank=e.data["rank"],
+            attempt=e.data["attempt"],
+            time=t,
+            stream=stream,
+            line=text,
+        )
+        for e in events
+        for t, stream, text in e.data["lines"]
+    ]
     return LogPage(items=lines, next_after=events[-1].seq if events else after)
 
 
@@ -256,5 +303,10 @@ async def get_logs(
 )
 async def all_events(request: Request, caller: CallerDep) -> StreamingResponse:
     settings = request.app.state.settings
-    return _sse(streams.all_jobs(request.app.state.hub, settings.sse_keepalive_s,
-                                 lambda job: caller.may_see(job["owner"])))
+    return _sse(
+        streams.all_jobs(
+            request.app.state.hub,
+            settings.sse_keepalive_s,
+            lambda job: caller.may_see(job["owner"]),
+        )
+    )

@@ -35,9 +35,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         token = settings.ray_auth_token
         await asyncio.to_thread(
-            launcher.connect, settings.ray_address, settings.ray_namespace,
-            settings.ray_num_cpus, settings.ray_num_gpus,
-            token.get_secret_value() if token else None, settings.ray_auth_token_path)
+            launcher.connect,
+            settings.ray_address,
+            settings.ray_namespace,
+            settings.ray_num_cpus,
+            settings.ray_num_gpus,
+            token.get_secret_value() if token else None,
+            settings.ray_auth_token_path,
+        )
         _reclaim_sigterm()
         control = JobControl(settings, app.state.store, app.state.hub)
         app.state.control = control
@@ -73,7 +78,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/docs", include_in_schema=False)
     def docs() -> HTMLResponse:
         return get_swagger_ui_html(
-            openapi_url="/openapi.json", title="elastic-train API",
+            openapi_url="/openapi.json",
+            title="elastic-train API",
             swagger_js_url="/docs-assets/swagger-ui-bundle.js",
             swagger_css_url="/docs-assets/swagger-ui.css",
             swagger_favicon_url="/docs-assets/favicon-32x32.png",

@@ -113,9 +113,12 @@ def require_token(
     wait = request.app.state.rate_limiter.wait_needed(caller.token_id)
     if wait > 0:
         retry = max(1, math.ceil(wait))
-        raise Problem(429, "Too many requests",
-                      f"this token's rate limit is reached; retry in {retry} s",
-                      headers={"Retry-After": str(retry)})
+        raise Problem(
+            429,
+            "Too many requests",
+            f"this token's rate limit is reached; retry in {retry} s",
+            headers={"Retry-After": str(retry)},
+        )
     return caller
 
 

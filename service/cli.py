@@ -26,8 +26,9 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     token, generated = resolve_admin_token(settings)
     url = f"http://{settings.host}:{settings.port}"
     print(f"elastic-train on {url}  (API docs: {url}/docs)", flush=True)
@@ -46,9 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     # exit, so that atexit hooks (an embedded Ray's shutdown) run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # In-flight requests get up to 5 s to finish; live streams are told to end at once.
-    server = GracefulServer(app.state.hub, uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=5))
+    server = GracefulServer(
+        app.state.hub,
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            timeout_graceful_shutdown=5,
+        ),
+    )
     server.run()
     return 0
 

@@ -47,31 +47,45 @@ class JobControl:
         if spec.is_custom:
             module, _, function = spec.workload.partition(":")
             if any(part.startswith("__") for part in [*module.split("."), function]):
-                raise Problem(422, "Invalid job spec",
-                              "workload: dunder names (such as __import__) are not entrypoints",
-                              errors=[{"field": "workload",
-                                       "message": "dunder names are not allowed"}])
+                raise Problem(
+                    422,
+                    "Invalid job spec",
+                    "workload: dunder names (such as __import__) are not entrypoints",
+                    errors=[{"field": "workload", "message": "dunder names are not allowed"}],
+                )
             allowed = self.settings.entrypoint_modules
             if not any(module == m or module.startswith(m + ".") for m in allowed):
-                raise Problem(422, "Invalid job spec",
-                              f"workload: module {module!r} is not on this service's "
-                              "allow-list of entrypoint modules (ETRAIN_ENTRYPOINT_MODULES)",
-                              errors=[{"field": "workload",
-                                       "message": f"module {module!r} is not allowed"}])
+                raise Problem(
+                    422,
+                    "Invalid job spec",
+                    f"workload: module {module!r} is not on this service's "
+                    "allow-list of entrypoint modules (ETRAIN_ENTRYPOINT_MODULES)",
+                    errors=[{"field": "workload", "message": f"module {module!r} is not allowed"}],
+                )
         most = launcher.max_workers_ever(spec)
         if most < spec.scaling.min_workers:
             need = spec.scaling.worker_resources()
-            message = (f"min_workers is {spec.scaling.min_workers} but this cluster can hold at "
-                       f"most {most} workers of {need}")
-            raise Problem(422, "Invalid job spec", f"scaling.min_workers: {message}",
-                          errors=[{"field": "scaling.min_workers", "message": message}])
+            message = (
+                f"min_workers is {spec.scaling.min_workers} but this cluster can hold at "
+                f"most {most} workers of {need}"
+            )
+            raise Problem(
+                422,
+                "Invalid job spec",
+                f"scaling.min_workers: {message}",
+                errors=[{"field": "scaling.min_workers", "message": message}],
+            )
 
-    async def submit(self, spec: JobSpec, owner: str,
-                     idempotency_key: str | None = None) -> JobRow:
+    async def submit(self, spec: JobSpec, owner: str, idempotency_key: str | None = None) -> JobRow:
         await asyncio.to_thread(self.check_admissible, spec)
         job = await asyncio.to_thread(
-            self.store.create_job, spec.name, owner, spec.workload,
-            spec.model_dump(mode="json"), idempotency_key)
+            self.store.create_job,
+            spec.name,
+            owner,
+            spec.workload,
+            spec.model_dump(mode="json"),
+            idempotency_key,
+        )
         self._announce("created", job)
         await self._launch(job)
         return await asyncio.to_thread(self._get, job.id)
@@ -80,8 +94,9 @@ class JobControl:
         job = await asyncio.to_thread(self._get, job_id)
         if JobState(job.state).is_terminal:
             raise Problem(409, "Job already ended", f"the job is {job.state}", state=job.state)
-        handle = await asyncio.to_thread(launcher.find_supervisor, job_id,
-                                         self.settings.ray_namespace)
+        handle = await asyncio.to_thread(
+            launcher.find_supervisor, job_id, self.settings.ray_namespace
+        )
         if handle is not None:
             try:
                 await asyncio.wait_for(handle.cancel.remote(reason), CALL_TIMEOUT_S)
@@ -123,19 +138,20 @@ class JobControl:
                 self._forget(job_id)
                 return
             handle = self._handles.get(job_id) or await asyncio.to_thread(
-                launcher.find_supervisor, job_id, self.settings.ray_namespace)
+                launcher.find_supervisor, job_id, self.settings.ray_namespace
+            )
             if handle is None:
                 await self._supervisor_missing(job)
                 return
             self._handles[job_id] = handle
             self._missing_since.pop(job_id, None)
             try:
-                events = await asyncio.wait_for(handle.events.remote(job.last_seq),
-                                                CALL_TIMEOUT_S)
+                events = await asyncio.wait_for(handle.events.remote(job.last_seq), CALL_TIMEOUT_S)
             except launcher.SupervisorGone as e:
                 self._handles.pop(job_id, None)
                 await self._end_without_supervisor(
-                    job_id, JobState.FAILED, f"the job's supervisor died: {e}")
+                    job_id, JobState.FAILED, f"the job's supervisor died: {e}"
+                )
                 return
             except TimeoutError:
                 return  # busy or on a node being declared dead: try next tick
@@ -151,13 +167,19 @@ class JobControl:
         try:
             spec = JobSpec.model_validate(job.spec)
             handle = await asyncio.to_thread(
-                launcher.launch, job.id, spec, self.settings.resolved_checkpoint_dir,
-                self.settings.ray_namespace, job.last_seq + 1)
+                launcher.launch,
+                job.id,
+                spec,
+                self.settings.resolved_checkpoint_dir,
+                self.settings.ray_namespace,
+                job.last_seq + 1,
+            )
             self._handles[job.id] = handle
         except Exception as e:
             log.exception("could not launch %s", job.id)
-            await self._end_without_supervisor(job.id, JobState.FAILED,
-                                               f"could not start the job on Ray: {e}")
+            await self._end_without_supervisor(
+                job.id, JobState.FAILED, f"could not start the job on Ray: {e}"
+            )
 
     async def _supervisor_missing(self, job: JobRow) -> None:
         if job.state == JobState.QUEUED.value:
@@ -168,16 +190,22 @@ class JobControl:
         if time.monotonic() - first < MISSING_GRACE_S:
             return
         await self._end_without_supervisor(
-            job.id, JobState.FAILED,
-            "the job's supervisor is gone from Ray (the cluster restarted or lost its node)")
+            job.id,
+            JobState.FAILED,
+            "the job's supervisor is gone from Ray (the cluster restarted or lost its node)",
+        )
 
     async def _end_without_supervisor(self, job_id: str, state: JobState, reason: str) -> None:
         """Only when no supervisor can write the log any more does the service write it."""
         job = await asyncio.to_thread(self._get, job_id)
         if JobState(job.state).is_terminal:
             return
-        event = {"seq": job.last_seq + 1, "kind": "state", "time": time.time(),
-                 "data": {"state": state.value, "previous": job.state, "reason": reason}}
+        event = {
+            "seq": job.last_seq + 1,
+            "kind": "state",
+            "time": time.time(),
+            "data": {"state": state.value, "previous": job.state, "reason": reason},
+        }
         await self._store_events(job_id, [event])
         self._forget(job_id)
 
@@ -190,8 +218,9 @@ class JobControl:
         return job
 
     def _announce(self, kind: str, job: JobRow) -> None:
-        self.hub.publish_all({"type": kind, "job": JobOut.model_validate(job).model_dump(
-            mode="json")})
+        self.hub.publish_all(
+            {"type": kind, "job": JobOut.model_validate(job).model_dump(mode="json")}
+        )
 
     def _forget(self, job_id: str) -> None:
         self._handles.pop(job_id, None)

@@ -32,8 +32,11 @@ HEADERS = {
 
 def missing_dependencies() -> list[str]:
     """The library files the app needs that are not installed."""
-    return [name for name in VENDOR_FILES
-            if not (VENDOR[name.split("/")[0]] / name.split("/", 1)[1]).is_file()]
+    return [
+        name
+        for name in VENDOR_FILES
+        if not (VENDOR[name.split("/")[0]] / name.split("/", 1)[1]).is_file()
+    ]
 
 
 def _not_installed_page(missing: list[str]) -> HTMLResponse:
@@ -55,20 +58,27 @@ def _not_installed_page(missing: list[str]) -> HTMLResponse:
 def install(app: FastAPI) -> None:
     missing = missing_dependencies()
     if missing:
-        log.warning("the dashboard at / cannot work: %s not installed; run `npm ci` in %s",
-                    ", ".join(missing), DASHBOARD_DIR)
+        log.warning(
+            "the dashboard at / cannot work: %s not installed; run `npm ci` in %s",
+            ", ".join(missing),
+            DASHBOARD_DIR,
+        )
 
     @app.get("/", include_in_schema=False)
     def index() -> Response:
         still_missing = missing_dependencies()
         if still_missing:
             return _not_installed_page(still_missing)
-        return FileResponse(APP_DIR / "index.html", headers={**HEADERS,
-                                                             "Cache-Control": "no-cache"})
+        return FileResponse(
+            APP_DIR / "index.html", headers={**HEADERS, "Cache-Control": "no-cache"}
+        )
 
     # Mounts stay out of the OpenAPI schema. The vendor mount comes first: /ui would
     # otherwise swallow its paths.
     for name, directory in VENDOR.items():
-        app.mount(f"/ui/vendor/{name}", StaticFiles(directory=directory, check_dir=False),
-                  name=f"dashboard-vendor-{name}")
+        app.mount(
+            f"/ui/vendor/{name}",
+            StaticFiles(directory=directory, check_dir=False),
+            name=f"dashboard-vendor-{name}",
+        )
     app.mount("/ui", StaticFiles(directory=APP_DIR), name="dashboard")

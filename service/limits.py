@@ -60,13 +60,22 @@ class BodySizeLimit:
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
         body: dict[str, Any] = {
-            "type": "about:blank", "title": "Request body too large", "status": 413,
+            "type": "about:blank",
+            "title": "Request body too large",
+            "status": 413,
             "detail": f"the body may be at most {self.limit} bytes",
             "instance": scope.get("path", ""),
         }
         data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", MEDIA_TYPE.encode()),
-                                (b"content-length", str(len(data)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", MEDIA_TYPE.encode()),
+                    (b"content-length", str(len(data)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": data})

@@ -37,8 +37,11 @@ class ProblemOut(BaseModel):
 
 
 def _described(description: str) -> dict[str, Any]:
-    return {"description": description, "model": ProblemOut,
-            "content": {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/ProblemOut"}}}}
+    return {
+        "description": description,
+        "model": ProblemOut,
+        "content": {MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/ProblemOut"}}},
+    }
 
 
 # The errors any authenticated route may answer, documented once for the OpenAPI schema.
@@ -55,8 +58,14 @@ PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class Problem(Exception):
-    def __init__(self, status: int, title: str, detail: str | None = None,
-                 headers: dict[str, str] | None = None, **extensions: Any) -> None:
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str | None = None,
+        headers: dict[str, str] | None = None,
+        **extensions: Any,
+    ) -> None:
         super().__init__(detail or title)
         self.status, self.title, self.detail = status, title, detail
         self.headers = headers or {}
@@ -66,8 +75,9 @@ class Problem(Exception):
 def invalid(errors: list[dict[str, str]], status: int = 422) -> Problem:
     """A rejection of the request body, each error naming its field."""
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-    return Problem(status, "Invalid job spec" if status == 422 else "Invalid request",
-                   detail, errors=errors)
+    return Problem(
+        status, "Invalid job spec" if status == 422 else "Invalid request", detail, errors=errors
+    )
 
 
 def problem_response(request: Request, p: Problem) -> JSONResponse:
@@ -94,14 +104,23 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        titles = {404: "Not found", 405: "Method not allowed", 401: "Unauthorized",
-                  413: "Request body too large"}
-        p = Problem(exc.status_code, titles.get(exc.status_code, "HTTP error"),
-                    str(exc.detail) if exc.detail else None, headers=dict(exc.headers or {}))
+        titles = {
+            404: "Not found",
+            405: "Method not allowed",
+            401: "Unauthorized",
+            413: "Request body too large",
+        }
+        p = Problem(
+            exc.status_code,
+            titles.get(exc.status_code, "HTTP error"),
+            str(exc.detail) if exc.detail else None,
+            headers=dict(exc.headers or {}),
+        )
         return problem_response(request, p)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return problem_response(request, Problem(500, "Internal server error",
-                                                 "the error was logged on the server"))
+        return problem_response(
+            request, Problem(500, "Internal server error", "the error was logged on the server")
+        )

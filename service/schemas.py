@@ -111,8 +111,10 @@ USER_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 class UserIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=USER_NAME_PATTERN, description="Lower-case letters, digits, "
-                      "'.', '_', '-'; at most 64 characters.")
+    name: str = Field(
+        pattern=USER_NAME_PATTERN,
+        description="Lower-case letters, digits, '.', '_', '-'; at most 64 characters.",
+    )
     role: Literal["admin", "user"] = "user"
 
 
@@ -132,8 +134,12 @@ class TokenIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     user: str = Field(pattern=USER_NAME_PATTERN, description="Whose token it is.")
-    label: str = Field("", max_length=128, pattern=r"^[\w .\-]*$",
-                       description="What the token is for, e.g. 'laptop'.")
+    label: str = Field(
+        "",
+        max_length=128,
+        pattern=r"^[\w .\-]*$",
+        description="What the token is for, e.g. 'laptop'.",
+    )
 
 
 class TokenOut(BaseModel):

@@ -37,8 +37,8 @@ class Settings(BaseSettings):
         "variables, if any, apply.",
     )
     ray_auth_token_path: str | None = Field(
-        None, description="A file holding that token instead (e.g. a mounted Kubernetes "
-        "secret).",
+        None,
+        description="A file holding that token instead (e.g. a mounted Kubernetes secret).",
     )
     ray_namespace: str = Field(
         "elastic-train",
@@ -62,15 +62,21 @@ class Settings(BaseSettings):
         "first start, stored in data_dir/admin-token and printed.",
     )
     max_body_bytes: int = Field(
-        1_048_576, ge=1024, le=1 << 30,
+        1_048_576,
+        ge=1024,
+        le=1 << 30,
         description="Largest request body accepted; a bigger one is answered 413.",
     )
     rate_limit_per_s: float = Field(
-        50.0, ge=0, description="Requests a second each API token may make on average "
+        50.0,
+        ge=0,
+        description="Requests a second each API token may make on average "
         "(0: no limit); over it the answer is 429 with Retry-After.",
     )
     rate_limit_burst: int = Field(
-        200, ge=1, description="Requests a token may make at once before the rate applies.",
+        200,
+        ge=1,
+        description="Requests a token may make at once before the rate applies.",
     )
     entrypoint_modules: list[str] = Field(
         default_factory=list,

@@ -93,8 +93,15 @@ class MetricRow(Base):
     world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
-METRIC_COLUMNS = ("step", "time", "loss", "accuracy", "samples_per_s", "learning_rate",
-                  "world_size")
+METRIC_COLUMNS = (
+    "step",
+    "time",
+    "loss",
+    "accuracy",
+    "samples_per_s",
+    "learning_rate",
+    "world_size",
+)
 
 
 class CheckpointRow(Base):
@@ -192,7 +199,8 @@ def migrate(engine: Engine) -> None:
             raise SchemaTooNew(
                 f"the database at {engine.url.render_as_string(hide_password=True)} has schema "
                 f"revision {current!r}, newer than this elastic-train knows (its newest is "
-                f"{scripts.get_current_head()!r}); upgrade elastic-train or use another database")
+                f"{scripts.get_current_head()!r}); upgrade elastic-train or use another database"
+            )
         config.attributes["connection"] = conn
         if current is None and inspect(conn).has_table("jobs"):
             # Made by the walking skeleton's create_all, before migrations existed.
@@ -221,22 +229,43 @@ class Store:
 
     # -- jobs ---------------------------------------------------------------------------
 
-    def create_job(self, name: str, owner: str, workload: str, spec: dict[str, Any],
-                   idempotency_key: str | None = None) -> JobRow:
+    def create_job(
+        self,
+        name: str,
+        owner: str,
+        workload: str,
+        spec: dict[str, Any],
+        idempotency_key: str | None = None,
+    ) -> JobRow:
         """A new queued job; with ``idempotency_key`` (claimed before), the key records the
         job in the same transaction, so a crash leaves no job without its key."""
         now = utcnow()
         job = JobRow(
-            id=new_job_id(), name=name, owner=owner, workload=workload, spec=spec,
-            state=JobState.QUEUED.value, world_size=0, step=0, restarts=0, last_seq=1,
-            created_at=now, updated_at=now,
+            id=new_job_id(),
+            name=name,
+            owner=owner,
+            workload=workload,
+            spec=spec,
+            state=JobState.QUEUED.value,
+            world_size=0,
+            step=0,
+            restarts=0,
+            last_seq=1,
+            created_at=now,
+            updated_at=now,
         )
         with self.session() as s:
             s.add(job)
             s.flush()  # the job row must exist before its first event refers to it
-            s.add(EventRow(job_id=job.id, seq=1, kind="state", time=now.timestamp(),
-                           data={"state": JobState.QUEUED.value, "previous": None,
-                                 "reason": None}))
+            s.add(
+                EventRow(
+                    job_id=job.id,
+                    seq=1,
+                    kind="state",
+                    time=now.timestamp(),
+                    data={"state": JobState.QUEUED.value, "previous": None, "reason": None},
+                )
+            )
             if idempotency_key is not None:
                 held = s.get(IdempotencyRow, (owner, idempotency_key))
                 if held is not None:
@@ -247,8 +276,9 @@ class Store:
         with self.session() as s:
             return s.get(JobRow, job_id)
 
-    def list_jobs(self, state: JobState | None, limit: int, cursor: str | None,
-                  owner: str | None = None) -> Page:
+    def list_jobs(
+        self, state: JobState | None, limit: int, cursor: str | None, owner: str | None = None
+    ) -> Page:
         """Newest first; only ``owner``'s jobs when given."""
         query = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
         if owner is not None:
@@ -299,8 +329,13 @@ class Store:
     def create_token(self, user: str, label: str) -> tuple[TokenRow, str]:
         """A new token for ``user`` and its secret, which is not kept."""
         secret = "et_" + secrets.token_urlsafe(32)
-        row = TokenRow(id=f"tok-{secrets.token_hex(8)}", user=user, label=label,
-                       secret_hash=hash_secret(secret), created_at=utcnow())
+        row = TokenRow(
+            id=f"tok-{secrets.token_hex(8)}",
+            user=user,
+            label=label,
+            secret_hash=hash_secret(secret),
+            created_at=utcnow(),
+        )
         with self.session() as s:
             s.add(row)
         return row, secret
@@ -321,36 +356,46 @@ class Store:
 
     def authenticate(self, secret: str) -> tuple[UserRow, TokenRow] | None:
         """The user and token a secret belongs to, unless it is unknown or revoked."""
-        query = (select(UserRow, TokenRow).join(TokenRow, TokenRow.user == UserRow.name)
-                 .where(TokenRow.secret_hash == hash_secret(secret),
-                        TokenRow.revoked_at.is_(None)))
+        query = (
+            select(UserRow, TokenRow)
+            .join(TokenRow, TokenRow.user == UserRow.name)
+            .where(TokenRow.secret_hash == hash_secret(secret), TokenRow.revoked_at.is_(None))
+        )
         with self.session() as s:
             row = s.execute(query).first()
         return (row[0], row[1]) if row else None
 
     # -- idempotency keys -----------------------------------------------------------------
 
-    def claim_idempotency_key(self, owner: str, key: str, fingerprint: str,
-                              stale_after_s: float) -> IdempotencyRow | None:
+    def claim_idempotency_key(
+        self, owner: str, key: str, fingerprint: str, stale_after_s: float
+    ) -> IdempotencyRow | None:
         """Reserve ``key`` for a submission: None when this caller got it, else the record
         that holds it. A reservation left without a job for ``stale_after_s`` (the service
         died mid-submission) is taken over."""
         now = utcnow()
         try:
             with self.session() as s:
-                s.add(IdempotencyRow(owner=owner, key=key, fingerprint=fingerprint,
-                                     job_id=None, created_at=now))
+                s.add(
+                    IdempotencyRow(
+                        owner=owner, key=key, fingerprint=fingerprint, job_id=None, created_at=now
+                    )
+                )
             return None
         except IntegrityError:
             pass
         with self.session() as s:
             row = s.get(IdempotencyRow, (owner, key), with_for_update=True)
             if row is None:  # released in between: try once more
-                s.add(IdempotencyRow(owner=owner, key=key, fingerprint=fingerprint,
-                                     job_id=None, created_at=now))
+                s.add(
+                    IdempotencyRow(
+                        owner=owner, key=key, fingerprint=fingerprint, job_id=None, created_at=now
+                    )
+                )
                 return None
-            created = row.created_at if row.created_at.tzinfo else row.created_at.replace(
-                tzinfo=UTC)
+            created = (
+                row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
+            )
             if row.job_id is None and (now - created).total_seconds() > stale_after_s:
                 row.fingerprint, row.created_at = fingerprint, now
                 return None
@@ -359,14 +404,19 @@ class Store:
     def release_idempotency_key(self, owner: str, key: str) -> None:
         """Free the key of a submission that was refused before it made a job."""
         with self.session() as s:
-            s.execute(delete(IdempotencyRow).where(IdempotencyRow.owner == owner,
-                                                   IdempotencyRow.key == key,
-                                                   IdempotencyRow.job_id.is_(None)))
+            s.execute(
+                delete(IdempotencyRow).where(
+                    IdempotencyRow.owner == owner,
+                    IdempotencyRow.key == key,
+                    IdempotencyRow.job_id.is_(None),
+                )
+            )
 
     # -- events -------------------------------------------------------------------------
 
-    def events(self, job_id: str, after: int = 0, limit: int = 1000,
-               kinds: Sequence[str] | None = None) -> list[EventRow]:
+    def events(
+        self, job_id: str, after: int = 0, limit: int = 1000, kinds: Sequence[str] | None = None
+    ) -> list[EventRow]:
         query = (
             select(EventRow)
             .where(EventRow.job_id == job_id, EventRow.seq > after)
@@ -397,10 +447,18 @@ class Store:
                 if ev["seq"] <= job.last_seq:
                     continue
                 if ev["seq"] != job.last_seq + 1:
-                    raise ValueError(f"event {ev['seq']} of {job_id} leaves a gap after "
-                                     f"{job.last_seq}")
-                s.add(EventRow(job_id=job_id, seq=ev["seq"], kind=ev["kind"],
-                               time=ev["time"], data=ev["data"]))
+                    raise ValueError(
+                        f"event {ev['seq']} of {job_id} leaves a gap after {job.last_seq}"
+                    )
+                s.add(
+                    EventRow(
+                        job_id=job_id,
+                        seq=ev["seq"],
+                        kind=ev["kind"],
+                        time=ev["time"],
+                        data=ev["data"],
+                    )
+                )
                 _fold(s, job, ev)
                 job.last_seq = ev["seq"]
             job.updated_at = utcnow()
@@ -443,11 +501,19 @@ def _fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
     elif kind == "attempt_started":
         job.world_size = int(data["world_size"])
     elif kind == "metrics":
-        s.add(MetricRow(job_id=job.id, seq=ev["seq"], step=int(data["step"]), time=ev["time"],
-                        loss=data.get("loss"), accuracy=data.get("accuracy"),
-                        samples_per_s=data.get("samples_per_s"),
-                        learning_rate=data.get("learning_rate"),
-                        world_size=data.get("world_size")))
+        s.add(
+            MetricRow(
+                job_id=job.id,
+                seq=ev["seq"],
+                step=int(data["step"]),
+                time=ev["time"],
+                loss=data.get("loss"),
+                accuracy=data.get("accuracy"),
+                samples_per_s=data.get("samples_per_s"),
+                learning_rate=data.get("learning_rate"),
+                world_size=data.get("world_size"),
+            )
+        )
         job.step = int(data["step"])
         job.last_loss = data.get("loss")
         job.samples_per_s = data.get("samples_per_s")

@@ -108,8 +108,12 @@ class Hub:
 
 def live_item(event: dict[str, Any]) -> dict[str, Any]:
     """What a job's live readers get: enough to filter and stop on, and the text to send."""
-    return {"seq": event["seq"], "kind": event["kind"], "terminal": _is_terminal(event),
-            "text": sse_message(event, event["kind"], event["seq"])}
+    return {
+        "seq": event["seq"],
+        "kind": event["kind"],
+        "terminal": _is_terminal(event),
+        "text": sse_message(event, event["kind"], event["seq"]),
+    }
 
 
 def sse_message(data: Any, event: str | None = None, id: int | str | None = None) -> str:
@@ -166,8 +170,13 @@ async def job_events(
                 yield sse_message({"reason": SHUTTING_DOWN, "last_event_id": last}, "reconnect")
                 return
             if sub.overflowed:
-                yield sse_message({"reason": "this client fell too far behind; reconnect with "
-                                   "Last-Event-ID", "last_event_id": last}, "reconnect")
+                yield sse_message(
+                    {
+                        "reason": "this client fell too far behind; reconnect with Last-Event-ID",
+                        "last_event_id": last,
+                    },
+                    "reconnect",
+                )
                 return
             if live is None:
                 yield KEEPALIVE
@@ -195,8 +204,13 @@ async def all_jobs(hub: Hub, keepalive_s: float, visible: Any) -> Any:
                 yield sse_message({"reason": SHUTTING_DOWN}, "reconnect")
                 return
             if sub.overflowed:
-                yield sse_message({"reason": "this client fell too far behind; reload the "
-                                   "job list and reconnect"}, "reconnect")
+                yield sse_message(
+                    {
+                        "reason": "this client fell too far behind; reload the "
+                        "job list and reconnect"
+                    },
+                    "reconnect",
+                )
                 return
             if item is None:
                 yield KEEPALIVE

@@ -147,8 +147,14 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2, what: str = 
 
 def small_job(**hyper: Any) -> dict[str, Any]:
     """The README's example job, adjustable."""
-    hp = {"model": "small_cnn", "dataset": "synthetic", "max_steps": 50,
-          "global_batch_size": 64, "learning_rate": 0.05, "seed": 0}
+    hp = {
+        "model": "small_cnn",
+        "dataset": "synthetic",
+        "max_steps": 50,
+        "global_batch_size": 64,
+        "learning_rate": 0.05,
+        "seed": 0,
+    }
     hp.update(hyper)
     return {
         "name": "demo",

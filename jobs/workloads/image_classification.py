@@ -19,8 +19,12 @@ class SmallCNN(nn.Module):
     def __init__(self, num_classes: int) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
         )
         self.head = nn.Linear(32, num_classes)
 
@@ -42,8 +46,9 @@ class SyntheticImages(Dataset):
     """Seeded images that carry their class (a per-class pattern plus noise), so a model can
     learn them and a loss curve means something. Sample ``i`` is the same on every node."""
 
-    def __init__(self, size: int, image_size: int, num_classes: int, seed: int,
-                 first: int = 0) -> None:
+    def __init__(
+        self, size: int, image_size: int, num_classes: int, seed: int, first: int = 0
+    ) -> None:
         # ``first``: where a held-out set starts, past the training samples' noise.
         self.size, self.num_classes, self.seed, self.first = size, num_classes, seed, first
         g = torch.Generator().manual_seed(seed)
@@ -64,8 +69,11 @@ IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 CIFAR10_STATS = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
 
 
-def image_transforms(hp: ImageClassificationHyperparameters, train: bool,
-                     stats: tuple[tuple[float, ...], tuple[float, ...]]) -> Any:
+def image_transforms(
+    hp: ImageClassificationHyperparameters,
+    train: bool,
+    stats: tuple[tuple[float, ...], tuple[float, ...]],
+) -> Any:
     """PIL image or uint8 CHW tensor -> normalised float tensor of ``image_size``. Training
     adds the augmentations ``augment`` names. They draw from the worker's global RNG, so
     unlike the rest of training they are not the same at every world size."""
@@ -93,8 +101,10 @@ class Cifar10(Dataset):
         for name in names:
             path = Path(root) / name
             if not path.exists():
-                raise FileNotFoundError(f"{path}: not a CIFAR-10 python batch (expected "
-                                        "data_batch_1..5 and test_batch in data_path)")
+                raise FileNotFoundError(
+                    f"{path}: not a CIFAR-10 python batch (expected "
+                    "data_batch_1..5 and test_batch in data_path)"
+                )
             with path.open("rb") as f:
                 batch = pickle.load(f, encoding="bytes")
             images.append(torch.from_numpy(batch[b"data"]).reshape(-1, 3, 32, 32))
@@ -115,32 +125,46 @@ def build_datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dat
     evaluation)."""
     if hp.dataset == "synthetic":
         train = SyntheticImages(hp.synthetic_samples, hp.image_size, hp.num_classes, hp.seed)
-        held_out = SyntheticImages(hp.synthetic_eval_samples, hp.image_size, hp.num_classes,
-                                   hp.seed, first=hp.synthetic_samples)
+        held_out = SyntheticImages(
+            hp.synthetic_eval_samples,
+            hp.image_size,
+            hp.num_classes,
+            hp.seed,
+            first=hp.synthetic_samples,
+        )
         return train, held_out if hp.synthetic_eval_samples else None
     assert hp.data_path is not None  # the spec guarantees it
     if hp.dataset == "cifar10":
-        return (Cifar10(hp.data_path, True, image_transforms(hp, True, CIFAR10_STATS)),
-                Cifar10(hp.data_path, False, image_transforms(hp, False, CIFAR10_STATS)))
+        return (
+            Cifar10(hp.data_path, True, image_transforms(hp, True, CIFAR10_STATS)),
+            Cifar10(hp.data_path, False, image_transforms(hp, False, CIFAR10_STATS)),
+        )
     from torchvision import datasets
 
-    train_tree = datasets.ImageFolder(hp.data_path,
-                                      transform=image_transforms(hp, True, IMAGENET_STATS))
+    train_tree = datasets.ImageFolder(
+        hp.data_path, transform=image_transforms(hp, True, IMAGENET_STATS)
+    )
     if hp.eval_path is not None:
-        eval_tree = datasets.ImageFolder(hp.eval_path,
-                                         transform=image_transforms(hp, False, IMAGENET_STATS))
+        eval_tree = datasets.ImageFolder(
+            hp.eval_path, transform=image_transforms(hp, False, IMAGENET_STATS)
+        )
         if eval_tree.classes != train_tree.classes:
-            raise ValueError(f"eval_path classes {eval_tree.classes} differ from data_path's "
-                             f"{train_tree.classes}")
+            raise ValueError(
+                f"eval_path classes {eval_tree.classes} differ from data_path's "
+                f"{train_tree.classes}"
+            )
         return train_tree, eval_tree
     if hp.eval_fraction == 0:
         return train_tree, None
-    eval_tree = datasets.ImageFolder(hp.data_path,
-                                     transform=image_transforms(hp, False, IMAGENET_STATS))
+    eval_tree = datasets.ImageFolder(
+        hp.data_path, transform=image_transforms(hp, False, IMAGENET_STATS)
+    )
     order = np.random.default_rng(hp.seed).permutation(len(train_tree))
     cut = int(len(order) * hp.eval_fraction)
-    return (Subset(train_tree, sorted(int(i) for i in order[cut:])),
-            Subset(eval_tree, sorted(int(i) for i in order[:cut])))
+    return (
+        Subset(train_tree, sorted(int(i) for i in order[cut:])),
+        Subset(eval_tree, sorted(int(i) for i in order[:cut])),
+    )
 
 
 def build_dataset(hp: ImageClassificationHyperparameters) -> Dataset:
@@ -152,13 +176,24 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     train, held_out = build_datasets(hp)
     criterion = nn.CrossEntropyLoss(reduction="none")
     model = ctx.prepare_model(build_model(hp), dtype=getattr(torch, hp.dtype))
-    ctx.prepare_optimizer(torch.optim.SGD(
-        model.parameters(), lr=hp.learning_rate, momentum=hp.momentum,
-        weight_decay=hp.weight_decay))
+    ctx.prepare_optimizer(
+        torch.optim.SGD(
+            model.parameters(),
+            lr=hp.learning_rate,
+            momentum=hp.momentum,
+            weight_decay=hp.weight_decay,
+        )
+    )
     for batch in ctx.batches(
-        train, hp.global_batch_size, epochs=hp.epochs, max_steps=hp.max_steps,
-        seed=hp.seed, lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
-        report_every_steps=hp.report_every_steps, record_samples=hp.record_samples,
+        train,
+        hp.global_batch_size,
+        epochs=hp.epochs,
+        max_steps=hp.max_steps,
+        seed=hp.seed,
+        lr_schedule=hp.lr_schedule,
+        warmup_steps=hp.warmup_steps,
+        report_every_steps=hp.report_every_steps,
+        record_samples=hp.record_samples,
     ):
         ctx.train_step(batch, criterion)
         if batch.ends_epoch and held_out is not None:

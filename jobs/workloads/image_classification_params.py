@@ -12,14 +12,17 @@ from jobs.validation import field_error
 class ImageClassificationHyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Literal["resnet18", "resnet34", "resnet50", "mobilenet_v3_small",
-                   "efficientnet_b0", "small_cnn"] = Field(
-        "resnet18", description="A torchvision model by name (randomly initialised), or a "
-        "small CNN for fast runs."
+    model: Literal[
+        "resnet18", "resnet34", "resnet50", "mobilenet_v3_small", "efficientnet_b0", "small_cnn"
+    ] = Field(
+        "resnet18",
+        description="A torchvision model by name (randomly initialised), or a "
+        "small CNN for fast runs.",
     )
     dataset: Literal["synthetic", "imagefolder", "cifar10"] = Field(
-        "synthetic", description="Seeded synthetic images; an ImageFolder directory; or "
-        "CIFAR-10's python batches (data_batch_1..5, test_batch) in a directory."
+        "synthetic",
+        description="Seeded synthetic images; an ImageFolder directory; or "
+        "CIFAR-10's python batches (data_batch_1..5, test_batch) in a directory.",
     )
     data_path: str | None = Field(
         None,
@@ -28,25 +31,35 @@ class ImageClassificationHyperparameters(BaseModel):
         "CIFAR-10 directory (nothing is downloaded); it must be readable from every Ray node.",
     )
     eval_path: str | None = Field(
-        None, min_length=1, description="imagefolder: a held-out ImageFolder tree with the "
-        "same classes; without it, eval_fraction of data_path is held out."
+        None,
+        min_length=1,
+        description="imagefolder: a held-out ImageFolder tree with the "
+        "same classes; without it, eval_fraction of data_path is held out.",
     )
     eval_fraction: float = Field(
-        0.1, ge=0, le=0.5, description="imagefolder without eval_path: the seeded share of "
-        "images held out for the evaluation after each epoch (0: none)."
+        0.1,
+        ge=0,
+        le=0.5,
+        description="imagefolder without eval_path: the seeded share of "
+        "images held out for the evaluation after each epoch (0: none).",
     )
     synthetic_eval_samples: int = Field(
-        0, ge=0, le=1_000_000, description="synthetic: held-out samples evaluated after each "
-        "epoch (0: none)."
+        0,
+        ge=0,
+        le=1_000_000,
+        description="synthetic: held-out samples evaluated after each epoch (0: none).",
     )
     augment: Literal["none", "crop", "crop_flip"] = Field(
-        "crop_flip", description="Training transforms for imagefolder and cifar10: random "
-        "crop (padding of an eighth of the side), and horizontal flip; then normalisation."
+        "crop_flip",
+        description="Training transforms for imagefolder and cifar10: random "
+        "crop (padding of an eighth of the side), and horizontal flip; then normalisation.",
     )
     epochs: int | None = Field(None, ge=1, le=100_000, description="Passes over the data.")
     max_steps: int | None = Field(
-        None, ge=1, le=100_000_000, description="Optimizer steps; the run stops at the first "
-        "of epochs and max_steps."
+        None,
+        ge=1,
+        le=100_000_000,
+        description="Optimizer steps; the run stops at the first of epochs and max_steps.",
     )
     global_batch_size: int = Field(
         64, ge=1, le=1_048_576, description="Samples per optimizer step, across all workers."
@@ -84,9 +97,14 @@ class ImageClassificationHyperparameters(BaseModel):
                 title, "max_steps", "give epochs or max_steps (or both: the run stops at the first)"
             )
         if self.dataset in ("imagefolder", "cifar10") and not self.data_path:
-            raise field_error(title, "data_path",
-                              f"data_path is required for dataset '{self.dataset}'")
+            raise field_error(
+                title, "data_path", f"data_path is required for dataset '{self.dataset}'"
+            )
         if self.eval_path is not None and self.dataset != "imagefolder":
-            raise field_error(title, "eval_path", "eval_path is for dataset 'imagefolder' "
-                              "(cifar10 evaluates on its test_batch)", self.eval_path)
+            raise field_error(
+                title,
+                "eval_path",
+                "eval_path is for dataset 'imagefolder' (cifar10 evaluates on its test_batch)",
+                self.eval_path,
+            )
         return self

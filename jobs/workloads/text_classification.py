@@ -40,8 +40,9 @@ class Tokenizer:
     def from_texts(cls, texts: Iterable[str], size: int, min_count: int = 1) -> Tokenizer:
         counts = Counter(w for t in texts for w in words(t))
         # By count, then alphabetically: the same vocabulary on every worker.
-        ranked = sorted((w for w, c in counts.items() if c >= min_count),
-                        key=lambda w: (-counts[w], w))
+        ranked = sorted(
+            (w for w, c in counts.items() if c >= min_count), key=lambda w: (-counts[w], w)
+        )
         return cls(ranked[: size - len(SPECIALS)])
 
     @classmethod
@@ -60,8 +61,7 @@ def read_examples(path: str) -> list[tuple[str, str]]:
     """(text, label) pairs from a .csv with 'text' and 'label' columns or a .jsonl file."""
     p = Path(path)
     if p.suffix == ".jsonl":
-        rows = [json.loads(ln) for ln in p.read_text(encoding="utf-8").splitlines()
-                if ln.strip()]
+        rows = [json.loads(ln) for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
     else:
         with p.open(newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
@@ -76,8 +76,13 @@ def read_examples(path: str) -> list[tuple[str, str]]:
 
 
 class EncodedTexts(Dataset):
-    def __init__(self, examples: list[tuple[str, str]], tokenizer: Tokenizer,
-                 labels: dict[str, int], max_length: int) -> None:
+    def __init__(
+        self,
+        examples: list[tuple[str, str]],
+        tokenizer: Tokenizer,
+        labels: dict[str, int],
+        max_length: int,
+    ) -> None:
         unknown = sorted({y for _, y in examples} - labels.keys())
         if unknown:
             raise ValueError(f"labels not in the training data: {unknown[:5]}")
@@ -95,14 +100,24 @@ class TextEncoderClassifier(nn.Module):
     """Token and learned position embeddings, a pre-norm transformer encoder, and a linear
     head on the [CLS] position."""
 
-    def __init__(self, vocab_size: int, num_classes: int, max_length: int, width: int,
-                 heads: int, layers: int, ffn_width: int, dropout: float) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        max_length: int,
+        width: int,
+        heads: int,
+        layers: int,
+        ffn_width: int,
+        dropout: float,
+    ) -> None:
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, width, padding_idx=0)
         self.positions = nn.Embedding(max_length, width)
         self.dropout = nn.Dropout(dropout)
-        layer = nn.TransformerEncoderLayer(width, heads, ffn_width, dropout,
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            width, heads, ffn_width, dropout, batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, num_classes)
@@ -114,8 +129,9 @@ class TextEncoderClassifier(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
 
-def build_data(hp: TextClassificationHyperparameters) -> tuple[Dataset, Dataset | None,
-                                                               Tokenizer, dict[str, int]]:
+def build_data(
+    hp: TextClassificationHyperparameters,
+) -> tuple[Dataset, Dataset | None, Tokenizer, dict[str, int]]:
     """The training and held-out sets, the tokenizer and the label ids, the same on every
     worker (nothing random but the seeded split)."""
     examples = read_examples(hp.data_path)
@@ -127,23 +143,35 @@ def build_data(hp: TextClassificationHyperparameters) -> tuple[Dataset, Dataset 
         order = np.random.default_rng(hp.seed).permutation(len(examples))
         held_out = sorted(int(i) for i in order[: int(len(examples) * hp.eval_fraction)])
     train_idx = sorted(set(range(len(examples))) - set(held_out))
-    tokenizer = Tokenizer.from_file(hp.vocab_path) if hp.vocab_path else \
-        Tokenizer.from_texts((examples[i][0] for i in train_idx), hp.vocab_size,
-                             hp.min_token_count)
+    tokenizer = (
+        Tokenizer.from_file(hp.vocab_path)
+        if hp.vocab_path
+        else Tokenizer.from_texts(
+            (examples[i][0] for i in train_idx), hp.vocab_size, hp.min_token_count
+        )
+    )
     everything = EncodedTexts(examples, tokenizer, labels, hp.max_length)
     train: Dataset = Subset(everything, train_idx)
     evaluation: Dataset | None = Subset(everything, held_out) if held_out else None
     if hp.eval_path is not None:
-        evaluation = EncodedTexts(read_examples(hp.eval_path), tokenizer, labels,
-                                  hp.max_length)
+        evaluation = EncodedTexts(read_examples(hp.eval_path), tokenizer, labels, hp.max_length)
     return train, evaluation, tokenizer, labels
 
 
-def build_model(hp: TextClassificationHyperparameters, vocab_size: int,
-                num_classes: int) -> TextEncoderClassifier:
+def build_model(
+    hp: TextClassificationHyperparameters, vocab_size: int, num_classes: int
+) -> TextEncoderClassifier:
     torch.manual_seed(hp.seed)  # identical initial weights on every rank
-    return TextEncoderClassifier(vocab_size, num_classes, hp.max_length, hp.width, hp.heads,
-                                 hp.layers, hp.ffn_width or 4 * hp.width, hp.dropout)
+    return TextEncoderClassifier(
+        vocab_size,
+        num_classes,
+        hp.max_length,
+        hp.width,
+        hp.heads,
+        hp.layers,
+        hp.ffn_width or 4 * hp.width,
+        hp.dropout,
+    )
 
 
 def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
@@ -151,12 +179,19 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     train, evaluation, tokenizer, labels = build_data(hp)
     criterion = nn.CrossEntropyLoss(reduction="none")
     model = ctx.prepare_model(build_model(hp, len(tokenizer.vocab), len(labels)))
-    ctx.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=hp.learning_rate,
-                                            weight_decay=hp.weight_decay))
+    ctx.prepare_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
+    )
     for batch in ctx.batches(
-        train, hp.global_batch_size, epochs=hp.epochs, max_steps=hp.max_steps, seed=hp.seed,
-        lr_schedule=hp.lr_schedule, warmup_steps=hp.warmup_steps,
-        report_every_steps=hp.report_every_steps, record_samples=hp.record_samples,
+        train,
+        hp.global_batch_size,
+        epochs=hp.epochs,
+        max_steps=hp.max_steps,
+        seed=hp.seed,
+        lr_schedule=hp.lr_schedule,
+        warmup_steps=hp.warmup_steps,
+        report_every_steps=hp.report_every_steps,
+        record_samples=hp.record_samples,
     ):
         ctx.train_step(batch, criterion)
         if batch.ends_epoch and evaluation is not None:

@@ -15,34 +15,43 @@ class TextClassificationHyperparameters(BaseModel):
     data_path: str = Field(
         min_length=1,
         description="A .csv (with a header naming 'text' and 'label') or .jsonl file of "
-        "{\"text\": ..., \"label\": ...}; it must be readable from every Ray node.",
+        '{"text": ..., "label": ...}; it must be readable from every Ray node.',
     )
     eval_path: str | None = Field(
-        None, min_length=1, description="Held-out file in the same format; without it, "
-        "eval_fraction of data_path is held out."
+        None,
+        min_length=1,
+        description="Held-out file in the same format; without it, "
+        "eval_fraction of data_path is held out.",
     )
     eval_fraction: float = Field(
-        0.1, ge=0, le=0.5, description="Share of data_path held out for the evaluation run "
-        "after each epoch (when no eval_path is given; 0: no evaluation)."
+        0.1,
+        ge=0,
+        le=0.5,
+        description="Share of data_path held out for the evaluation run "
+        "after each epoch (when no eval_path is given; 0: no evaluation).",
     )
     vocab_path: str | None = Field(
-        None, min_length=1, description="A vocabulary file, one token per line; without it, "
-        "the vocabulary is built from the training texts."
+        None,
+        min_length=1,
+        description="A vocabulary file, one token per line; without it, "
+        "the vocabulary is built from the training texts.",
     )
     vocab_size: int = Field(20_000, ge=10, le=1_000_000, description="Most tokens kept.")
-    min_token_count: int = Field(1, ge=1, le=1_000_000,
-                                 description="Rarer tokens become [UNK].")
+    min_token_count: int = Field(1, ge=1, le=1_000_000, description="Rarer tokens become [UNK].")
     max_length: int = Field(128, ge=2, le=8192, description="Tokens per text, with [CLS].")
     layers: int = Field(2, ge=1, le=48, description="Transformer encoder layers.")
     heads: int = Field(4, ge=1, le=64, description="Attention heads per layer.")
     width: int = Field(128, ge=8, le=8192, description="Model width (embedding size).")
-    ffn_width: int | None = Field(None, ge=8, le=65_536,
-                                  description="Feed-forward width; 4 x width when unset.")
+    ffn_width: int | None = Field(
+        None, ge=8, le=65_536, description="Feed-forward width; 4 x width when unset."
+    )
     dropout: float = Field(0.1, ge=0, lt=1)
     epochs: int | None = Field(None, ge=1, le=100_000, description="Passes over the data.")
     max_steps: int | None = Field(
-        None, ge=1, le=100_000_000, description="Optimizer steps; the run stops at the first "
-        "of epochs and max_steps."
+        None,
+        ge=1,
+        le=100_000_000,
+        description="Optimizer steps; the run stops at the first of epochs and max_steps.",
     )
     global_batch_size: int = Field(
         32, ge=1, le=1_048_576, description="Samples per optimizer step, across all workers."
@@ -63,8 +72,12 @@ class TextClassificationHyperparameters(BaseModel):
                 title, "max_steps", "give epochs or max_steps (or both: the run stops at the first)"
             )
         if self.width % self.heads:
-            raise field_error(title, "heads", f"width ({self.width}) must be a multiple of "
-                              f"heads ({self.heads})", self.heads)
+            raise field_error(
+                title,
+                "heads",
+                f"width ({self.width}) must be a multiple of heads ({self.heads})",
+                self.heads,
+            )
         if not self.data_path.endswith((".csv", ".jsonl")):
             raise field_error(title, "data_path", "use a .csv or .jsonl file", self.data_path)
         return self

@@ -18,16 +18,23 @@ from tests.conftest import TOKEN, ClusterPool, LiveServer, make_settings, small_
 pytestmark = pytest.mark.ray
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 DESKTOP = {"width": 1280, "height": 720}
 PHONE = {"width": 390, "height": 844}
 
 
 @pytest.fixture(scope="module")
-def live(ray_cluster: ClusterPool, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[LiveServer]:
+def live(
+    ray_cluster: ClusterPool, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
     with LiveServer(make_settings(tmp_path_factory.mktemp("dashboard"))) as server:
         yield server
         # A failed test must not leave a job holding the shared pool's workers.
@@ -101,9 +108,7 @@ def chart_column(page: Any, chart: str, column: int) -> list[Any]:
     return list(page.evaluate(f"document.querySelector('#{chart}').chart.data[{column}]"))
 
 
-def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
-    page: Any, api: httpx.Client
-) -> None:
+def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(page: Any, api: httpx.Client) -> None:
     from playwright.sync_api import expect
 
     expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
@@ -134,8 +139,12 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
     assert job["name"] == "dash-demo" and job["state"] == "succeeded"
     assert job["spec"]["hyperparameters"]["max_steps"] == 30
     assert job["spec"]["hyperparameters"]["global_batch_size"] == 32
-    assert job["spec"]["scaling"] == {"min_workers": 1, "max_workers": 1,
-                                          "cpus_per_worker": 1.0, "gpus_per_worker": 0}
+    assert job["spec"]["scaling"] == {
+        "min_workers": 1,
+        "max_workers": 1,
+        "cpus_per_worker": 1.0,
+        "gpus_per_worker": 0,
+    }
     assert job["spec"]["checkpoint"] == {"every_steps": 10, "keep": 3}
     shoot(page, "03-jobs")
 
@@ -151,8 +160,7 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
     expect(timeline.first).to_have_text("running → succeeded")
     expect(timeline).to_have_count(4)  # queued, starting, running, succeeded
     expect(page.locator("#timeline li[data-kind=checkpoint_saved]")).to_have_count(3)
-    expect(page.locator("table.checkpoints tbody tr").first.locator("td").first).to_have_text(
-        "30")
+    expect(page.locator("table.checkpoints tbody tr").first.locator("td").first).to_have_text("30")
     expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
     shoot(page, "04-job")
 
@@ -171,7 +179,8 @@ def test_an_invalid_spec_shows_its_field_errors_and_creates_nothing(
     page.get_by_role("button", name="Submit job").click()
 
     expect(page.locator("#f-scaling-min_workers-error")).to_have_text(
-        "min_workers (3) must not exceed max_workers (2)")
+        "min_workers (3) must not exceed max_workers (2)"
+    )
     expect(page.get_by_label("Min workers")).to_have_attribute("aria-invalid", "true")
     expect(page.locator("#f-name-error")).to_contain_text("String should match pattern")
     expect(page.get_by_label("Max workers")).not_to_have_attribute("aria-invalid", "true")
@@ -181,10 +190,12 @@ def test_an_invalid_spec_shows_its_field_errors_and_creates_nothing(
     page.get_by_role("tab", name="Raw JSON").click()
     page.get_by_label("Job spec (JSON)").fill(
         '{"name": "raw", "workload": "image-classification",'
-        ' "hyperparameters": {"max_steps": 5, "learning_rate": -1}}')
+        ' "hyperparameters": {"max_steps": 5, "learning_rate": -1}}'
+    )
     page.get_by_role("button", name="Submit JSON").click()
     expect(page.locator("#submit-errors li")).to_have_text(
-        ["hyperparameters.learning_rate: Input should be greater than 0"])
+        ["hyperparameters.learning_rate: Input should be greater than 0"]
+    )
     assert len(api.get("/v1/jobs").json()["items"]) == before
 
 
@@ -197,14 +208,17 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
 
     sign_in(page)
     spec = small_job(max_steps=1_000_000, report_every_steps=10)
-    spec |= {"name": "elastic-demo",
-             "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}}
+    spec |= {
+        "name": "elastic-demo",
+        "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
+    }
     job = api.post("/v1/jobs", json=spec).json()
     go(page, "#/cluster")
 
     def at_three() -> bool:
         j = api.get(f"/v1/jobs/{job['id']}").json()
         return j["state"] == "running" and j["world_size"] == 3 and j["step"] >= 20
+
     # The whole pool: after a node dies there is no spare one to stay at full size with.
     wait_for(at_three, 180, what="training at 3 workers")
     cluster = api.get("/v1/cluster").json()
@@ -215,11 +229,13 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     assert busy == set(pool_nodes)  # one worker on each pool node
     for node_id, node in pool_nodes.items():
         assert [(w["job_id"], w["rank"]) for w in node["workers"]] == [
-            (job["id"], int(r)) for r, n in placed["workers"].items() if n == node_id]
+            (job["id"], int(r)) for r, n in placed["workers"].items() if n == node_id
+        ]
         assert node["total"] == {"CPU": 1.0, "GPU": 0.0}
         assert node["available"] == {"CPU": 0.0 if node_id in busy else 1.0, "GPU": 0.0}
     expect(page.locator(f"#placement-table tr[data-job-id='{job['id']}'] li")).to_have_count(
-        3, timeout=10_000)
+        3, timeout=10_000
+    )
     expect(page.locator("#nodes-table tbody tr")).to_have_count(4)  # the head and 3 workers
     expect(page.locator("#nodes-table tbody tr .chips li")).to_have_count(3)
     shoot(page, "06-cluster")
@@ -234,6 +250,7 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
         j = api.get(f"/v1/jobs/{job['id']}").json()
         assert j["state"] not in ("failed", "succeeded", "cancelled"), j
         return j["state"] == "running" and j["world_size"] == 2
+
     wait_for(shrunk, 120, what="training at 2 workers")
     world = page.locator("#chart-world")
     expect(world.locator(".marker[data-kind=worker_lost]")).to_have_count(1, timeout=15_000)
@@ -241,17 +258,20 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     expect(world.locator(".marker[data-kind=restored]")).to_have_count(1)
     page.wait_for_function(
         "() => { const d = document.querySelector('#chart-world').chart.data;"
-        " return d[1].length && d[1][d[1].length - 1] === 2; }", timeout=15_000)
+        " return d[1].length && d[1][d[1].length - 1] === 2; }",
+        timeout=15_000,
+    )
     times, sizes = chart_column(page, "chart-world", 0), chart_column(page, "chart-world", 1)
     before = [n for t, n in zip(times, sizes, strict=True) if t < killed_at]
     after = [n for t, n in zip(times, sizes, strict=True) if t > killed_at]
-    assert set(before) == {3} and after[-1] == 2 and 3 not in after[after.index(2):]
+    assert set(before) == {3} and after[-1] == 2 and 3 not in after[after.index(2) :]
     lost = world.locator(".marker[data-kind=worker_lost]")
     lost.hover()
     expect(lost.locator(".tip")).to_be_visible()
     expect(lost.locator(".tip")).to_contain_text("lost 1 worker (rank 1) at 3 workers")
     expect(page.locator("#timeline li[data-kind=resized] .what")).to_contain_text(
-        "resized 3 → 2 workers")
+        "resized 3 → 2 workers"
+    )
     page.screenshot(path=ARTIFACTS / "07-job-after-node-loss-hover-1280x720.png", full_page=True)
     shoot(page, "08-job-after-node-loss")
 
@@ -260,7 +280,8 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     expect(page.locator("#job-title .state")).to_have_text("cancelled", timeout=30_000)
     assert job_state(api, job["id"]) == "cancelled"
     expect(page.locator("#timeline li[data-kind=state] .what").first).to_have_text(
-        "running → cancelled: cancelled by the user")
+        "running → cancelled: cancelled by the user"
+    )
     expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
 
 
@@ -277,18 +298,46 @@ def seed_finished_run(live: LiveServer, points: int) -> str:
     start = time.time() - points / 100
     at = lambda t: datetime.fromtimestamp(t, UTC)  # noqa: E731
     with live.app.state.store.session() as s:
-        s.add(JobRow(id=job_id, name="long-run", owner="admin", workload="image-classification",
-                     spec=small_job(max_steps=points), state="succeeded", message=None,
-                     world_size=0, step=points, total_steps=points, last_loss=0.1,
-                     samples_per_s=6400.0, restarts=0, last_seq=points, created_at=at(start),
-                     updated_at=at(start + points / 100), started_at=at(start),
-                     finished_at=at(start + points / 100)))
+        s.add(
+            JobRow(
+                id=job_id,
+                name="long-run",
+                owner="admin",
+                workload="image-classification",
+                spec=small_job(max_steps=points),
+                state="succeeded",
+                message=None,
+                world_size=0,
+                step=points,
+                total_steps=points,
+                last_loss=0.1,
+                samples_per_s=6400.0,
+                restarts=0,
+                last_seq=points,
+                created_at=at(start),
+                updated_at=at(start + points / 100),
+                started_at=at(start),
+                finished_at=at(start + points / 100),
+            )
+        )
         s.flush()
-        s.execute(insert(MetricRow), [
-            {"job_id": job_id, "seq": i, "step": i, "time": start + i / 100,
-             "loss": 2.3 / (1 + i / 5000), "accuracy": min(1.0, i / points),
-             "samples_per_s": 6400.0, "learning_rate": 0.05, "world_size": 1}
-            for i in range(1, points + 1)])
+        s.execute(
+            insert(MetricRow),
+            [
+                {
+                    "job_id": job_id,
+                    "seq": i,
+                    "step": i,
+                    "time": start + i / 100,
+                    "loss": 2.3 / (1 + i / 5000),
+                    "accuracy": min(1.0, i / points),
+                    "samples_per_s": 6400.0,
+                    "learning_rate": 0.05,
+                    "world_size": 1,
+                }
+                for i in range(1, points + 1)
+            ],
+        )
     return job_id
 
 
@@ -304,6 +353,7 @@ def test_a_run_of_100_000_steps_charts_from_a_downsampled_series(
     def note(request: Any) -> None:
         if "/metrics" in request.url:
             asked.append(request.url)
+
     page.on("request", note)
     started = time.monotonic()
     go(page, f"#/jobs/{job_id}")

@@ -15,8 +15,10 @@ from tests.conftest import LiveServer, create_user_token, make_settings, small_j
 from tests.integration.test_streams import SSE, iter_sse
 
 # A job that would train for hours: every test cancels what it submits.
-LONG = {**small_job(max_steps=1_000_000),
-        "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1}}
+LONG = {
+    **small_job(max_steps=1_000_000),
+    "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
+}
 
 
 def _as(server: LiveServer, token: str) -> httpx.Client:
@@ -35,8 +37,10 @@ class Watcher:
         assert self.listening.wait(10)
 
     def _run(self, server: LiveServer, token: str) -> None:
-        with _as(server, token) as client, client.stream("GET", "/v1/events", headers=SSE,
-                                                         timeout=120) as r:
+        with (
+            _as(server, token) as client,
+            client.stream("GET", "/v1/events", headers=SSE, timeout=120) as r,
+        ):
             self.listening.set()
             for message in iter_sse(r.iter_lines()):
                 self.messages.append(message["data"])
@@ -65,8 +69,14 @@ def test_users_see_stream_and_cancel_only_their_own_jobs(server: LiveServer) -> 
     assert r.status_code == 201, r.text
     job = r.json()
     assert job["owner"] == "alice"
-    for method, path in [("GET", ""), ("POST", "/cancel"), ("GET", "/checkpoints"),
-                         ("GET", "/events"), ("GET", "/metrics"), ("GET", "/logs")]:
+    for method, path in [
+        ("GET", ""),
+        ("POST", "/cancel"),
+        ("GET", "/checkpoints"),
+        ("GET", "/events"),
+        ("GET", "/metrics"),
+        ("GET", "/logs"),
+    ]:
         r = bob.request(method, f"/v1/jobs/{job['id']}{path}")
         assert r.status_code == 404, (method, path, r.text)
         assert r.json()["detail"] == f"no job {job['id']!r}"  # as if it did not exist
@@ -86,21 +96,22 @@ def test_users_see_stream_and_cancel_only_their_own_jobs(server: LiveServer) -> 
     assert [(j["name"], j["owner"]) for j in listed] == [("bobs", "bob"), ("alices", "alice")]
     assert admin.get(f"/v1/jobs/{job['id']}").status_code == 200
 
-    assert set(alice_watch.seen()) == {("created", "alices", "alice"),
-                                       ("state", "alices", "alice")}
+    assert set(alice_watch.seen()) == {("created", "alices", "alice"), ("state", "alices", "alice")}
     assert set(bob_watch.seen()) == {("created", "bobs", "bob"), ("state", "bobs", "bob")}
     assert {owner for _, _, owner in admin_watch.seen()} == {"alice", "bob"}
 
 
-def test_only_an_admin_manages_users_and_a_revoked_token_stops_working(
-        server: LiveServer) -> None:
+def test_only_an_admin_manages_users_and_a_revoked_token_stops_working(server: LiveServer) -> None:
     admin = server.client()
     carol_token = create_user_token(admin, "carol")
     carol = _as(server, carol_token)
-    for method, path, body in [("POST", "/v1/users", {"name": "eve"}), ("GET", "/v1/users", None),
-                               ("POST", "/v1/tokens", {"user": "carol"}),
-                               ("GET", "/v1/tokens", None),
-                               ("POST", "/v1/tokens/tok-x/revoke", None)]:
+    for method, path, body in [
+        ("POST", "/v1/users", {"name": "eve"}),
+        ("GET", "/v1/users", None),
+        ("POST", "/v1/tokens", {"user": "carol"}),
+        ("GET", "/v1/tokens", None),
+        ("POST", "/v1/tokens/tok-x/revoke", None),
+    ]:
         r = carol.request(method, path, json=body)
         assert r.status_code == 403, (method, path, r.text)
         assert r.headers["content-type"] == "application/problem+json"
@@ -121,37 +132,46 @@ def test_only_an_admin_manages_users_and_a_revoked_token_stops_working(
     dave = _as(server, create_user_token(admin, "dave", role="admin"))
     assert dave.get("/v1/users").status_code == 200
     assert {u["name"]: u["role"] for u in admin.get("/v1/users").json()["items"]} == {
-        "admin": "admin", "carol": "user", "dave": "admin"}
+        "admin": "admin",
+        "carol": "user",
+        "dave": "admin",
+    }
 
 
 @pytest.fixture(scope="module")
-def allow_listed(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[LiveServer]:
-    settings = make_settings(tmp_path_factory.mktemp("allow"),
-                             entrypoint_modules=["tests.workloads"])
+def allow_listed(
+    ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    settings = make_settings(
+        tmp_path_factory.mktemp("allow"), entrypoint_modules=["tests.workloads"]
+    )
     with LiveServer(settings) as live:
         yield live
 
 
-@pytest.mark.parametrize("patch,field", [
-    ({"workload": "tests.workloads.chatty:train_loop; rm -rf /"}, "workload"),
-    ({"workload": "tests.workloads.chatty:$(touch /tmp/etrain-pwned)"}, "workload"),
-    ({"workload": "$(touch /tmp/etrain-pwned):main"}, "workload"),
-    ({"workload": "`id`:main"}, "workload"),
-    ({"workload": "http://evil.example/payload:main"}, "workload"),
-    ({"workload": "https://evil.example/x.py"}, "workload"),
-    ({"workload": "__import__('os').system('id')"}, "workload"),
-    ({"workload": "builtins:__import__"}, "workload"),
-    ({"workload": "tests.workloads.chatty:__import__"}, "workload"),
-    ({"workload": "tests.workloads.__init__:train_loop"}, "workload"),
-    ({"workload": "os:system"}, "workload"),
-    ({"workload": "subprocess:run"}, "workload"),
-    ({"workload": "tests.workloadsx.evil:main"}, "workload"),
-    ({"name": "x; rm -rf /"}, "name"),
-    ({"name": "$(reboot)"}, "name"),
-])
+@pytest.mark.parametrize(
+    "patch,field",
+    [
+        ({"workload": "tests.workloads.chatty:train_loop; rm -rf /"}, "workload"),
+        ({"workload": "tests.workloads.chatty:$(touch /tmp/etrain-pwned)"}, "workload"),
+        ({"workload": "$(touch /tmp/etrain-pwned):main"}, "workload"),
+        ({"workload": "`id`:main"}, "workload"),
+        ({"workload": "http://evil.example/payload:main"}, "workload"),
+        ({"workload": "https://evil.example/x.py"}, "workload"),
+        ({"workload": "__import__('os').system('id')"}, "workload"),
+        ({"workload": "builtins:__import__"}, "workload"),
+        ({"workload": "tests.workloads.chatty:__import__"}, "workload"),
+        ({"workload": "tests.workloads.__init__:train_loop"}, "workload"),
+        ({"workload": "os:system"}, "workload"),
+        ({"workload": "subprocess:run"}, "workload"),
+        ({"workload": "tests.workloadsx.evil:main"}, "workload"),
+        ({"name": "x; rm -rf /"}, "name"),
+        ({"name": "$(reboot)"}, "name"),
+    ],
+)
 def test_injection_payloads_are_refused_and_nothing_runs(
-        allow_listed: LiveServer, patch: dict[str, str], field: str) -> None:
+    allow_listed: LiveServer, patch: dict[str, str], field: str
+) -> None:
     with allow_listed.client() as client:
         r = client.post("/v1/jobs", json={**small_job(), **patch})
         assert r.status_code == 422, r.text

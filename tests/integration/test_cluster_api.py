@@ -15,8 +15,8 @@ def test_the_cluster_lists_its_live_nodes_with_their_cpus(server: LiveServer) ->
     alive = [n for n in body["nodes"] if n["alive"]]
     assert [n["is_head"] for n in alive] == [True] + [False] * POOL_SIZE  # live nodes first
     assert [n["total"] for n in alive] == [{"CPU": 0.0, "GPU": 0.0}] + [
-        {"CPU": 1.0, "GPU": 0.0}] * POOL_SIZE
+        {"CPU": 1.0, "GPU": 0.0}
+    ] * POOL_SIZE
     assert all(n["workers"] == [] for n in body["nodes"])
     assert body["jobs"] == []
-    assert all(n["available"] == {"CPU": 0.0, "GPU": 0.0} for n in body["nodes"]
-               if not n["alive"])
+    assert all(n["available"] == {"CPU": 0.0, "GPU": 0.0} for n in body["nodes"] if not n["alive"])

@@ -25,15 +25,22 @@ from jobs.workloads.image_classification_params import ImageClassificationHyperp
 from tests.conftest import free_port
 
 STEPS = 24
-HP = {"model": "small_cnn", "dataset": "synthetic", "image_size": 8, "synthetic_samples": 512,
-      "max_steps": STEPS, "global_batch_size": 32, "learning_rate": 0.1, "seed": 3,
-      "num_classes": 2}
+HP = {
+    "model": "small_cnn",
+    "dataset": "synthetic",
+    "image_size": 8,
+    "synthetic_samples": 512,
+    "max_steps": STEPS,
+    "global_batch_size": 32,
+    "learning_rate": 0.1,
+    "seed": 3,
+    "num_classes": 2,
+}
 SCENARIOS: dict[str, dict[str, Any]] = {
     "ddp": {"bucket_cap_mb": 1},
     "fp16": {"gradient_compression": "fp16"},
     "bf16": {"gradient_compression": "bf16"},
-    "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": 2,
-                 "powersgd_start_step": 3},
+    "powersgd": {"gradient_compression": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 3},
     "bf16_autocast": {"precision": "bf16"},
     "fsdp": {"strategy": "fsdp"},
     "local_sgd": {"sync": "local_sgd", "local_sgd_period": 4},
@@ -43,8 +50,9 @@ EVERY_STEPS = 12
 
 def flat(model: nn.Module) -> torch.Tensor:
     """This rank's parameters (its shards, for FSDP) as one vector."""
-    return torch.cat([getattr(p, "_local_tensor", p).detach().flatten()
-                      for p in model.parameters()])
+    return torch.cat(
+        [getattr(p, "_local_tensor", p).detach().flatten() for p in model.parameters()]
+    )
 
 
 def fact_loop(config: dict[str, Any], ctx: TrainContext) -> None:
@@ -52,29 +60,32 @@ def fact_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     facts: dict[str, Any] = config["_facts"]
     hp = ImageClassificationHyperparameters.model_validate(config["hyperparameters"])
     model = ctx.prepare_model(build_model(hp))
-    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=hp.learning_rate,
-                                          momentum=0.9))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=hp.learning_rate, momentum=0.9))
     head_dtypes: set[str] = set()
     unwrap(model).head.register_forward_hook(  # type: ignore[union-attr]
-        lambda m, i, out: head_dtypes.add(str(out.dtype)))
+        lambda m, i, out: head_dtypes.add(str(out.dtype))
+    )
     params: list[list[float]] = []
-    for batch in ctx.batches(build_dataset(hp), hp.global_batch_size, max_steps=hp.max_steps,
-                             seed=hp.seed):
+    for batch in ctx.batches(
+        build_dataset(hp), hp.global_batch_size, max_steps=hp.max_steps, seed=hp.seed
+    ):
         ctx.train_step(batch, nn.CrossEntropyLoss(reduction="none"))
         params.append(flat(model).tolist())
     facts["params"] = params
     facts["head_dtypes"] = sorted(head_dtypes)
     facts["wrapper"] = type(model).__name__
     facts["sharded"] = is_sharded(model)
-    facts["local_numel"] = sum(getattr(p, "_local_tensor", p).numel()
-                               for p in model.parameters())
+    facts["local_numel"] = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     facts["full_numel"] = sum(p.numel() for p in build_model(hp).parameters())
     comm_hooks = getattr(model, "_comm_hooks", [])
     facts["hooks"] = [h.__name__ for h, _ in comm_hooks]
     if comm_hooks and comm_hooks[0][1] is not None:
         state = comm_hooks[0][1]
-        facts["powersgd"] = {"rank": state.matrix_approximation_rank, "iter": state.iter,
-                             "compressed_buckets": len(state.p_memory_dict)}
+        facts["powersgd"] = {
+            "rank": state.matrix_approximation_rank,
+            "iter": state.iter,
+            "compressed_buckets": len(state.p_memory_dict),
+        }
     facts["bucket_bytes_cap"] = getattr(model, "bucket_bytes_cap", None)
     facts["averaged_at"] = ctx.local_sgd.averaged_at if ctx.local_sgd else None
 
@@ -85,12 +96,15 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for name, options in SCENARIOS.items():
-            worker = WorkerContext.standalone(rank, world, f"{root}/{name}/checkpoints",
-                                              every_steps=EVERY_STEPS)
+            worker = WorkerContext.standalone(
+                rank, world, f"{root}/{name}/checkpoints", every_steps=EVERY_STEPS
+            )
             facts: dict[str, Any] = {}
-            config = {"hyperparameters": HP,
-                      "distributed": DistributedSpec(**options).model_dump(),
-                      "_facts": facts}
+            config = {
+                "hyperparameters": HP,
+                "distributed": DistributedSpec(**options).model_dump(),
+                "_facts": facts,
+            }
             run_with_context(fact_loop, config, worker)
             facts["losses"] = [d["loss"] for k, d in worker.local_events if k == "metrics"]
             Path(f"{root}/{name}/rank{rank}.json").write_text(json.dumps(facts))
@@ -104,11 +118,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     for name in SCENARIOS:
         (root / name).mkdir()
     mp.spawn(_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
-    out = {name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]
-           for name in SCENARIOS}
+    out = {
+        name: [json.loads((root / name / f"rank{r}.json").read_text()) for r in (0, 1)]
+        for name in SCENARIOS
+    }
     for name in SCENARIOS:
-        out[name][0]["checkpoints"] = sorted(p.name for p in (root / name / "checkpoints")
-                                             .glob("step_*"))
+        out[name][0]["checkpoints"] = sorted(
+            p.name for p in (root / name / "checkpoints").glob("step_*")
+        )
         out[name][0]["root"] = str(root / name / "checkpoints")
     return out
 
@@ -171,16 +188,24 @@ def test_local_sgd_averages_exactly_every_h_steps(runs: dict) -> None:
 
 
 @pytest.mark.parametrize("name", ["fsdp", "local_sgd", "powersgd"])
-def test_a_checkpoint_from_2_workers_resumes_on_1(runs: dict, name: str,
-                                                  tmp_path: Path) -> None:
+def test_a_checkpoint_from_2_workers_resumes_on_1(runs: dict, name: str, tmp_path: Path) -> None:
     """The world shrinks to one: the checkpoint of step 12 restores without a process
     group and training carries on to step 24."""
     root = runs[name][0]["root"]
-    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=EVERY_STEPS,
-                                      max_workers=2, resume_path=f"{root}/step_0000000012")
+    worker = WorkerContext.standalone(
+        0,
+        1,
+        str(tmp_path),
+        every_steps=EVERY_STEPS,
+        max_workers=2,
+        resume_path=f"{root}/step_0000000012",
+    )
     facts: dict[str, Any] = {}
-    config = {"hyperparameters": HP,
-              "distributed": DistributedSpec(**SCENARIOS[name]).model_dump(), "_facts": facts}
+    config = {
+        "hyperparameters": HP,
+        "distributed": DistributedSpec(**SCENARIOS[name]).model_dump(),
+        "_facts": facts,
+    }
     run_with_context(fact_loop, config, worker)
     steps = [d["step"] for k, d in worker.local_events if k == "metrics"]
     assert steps == list(range(13, STEPS + 1))

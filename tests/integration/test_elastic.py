@@ -34,16 +34,24 @@ def api(pool: ClusterPool, tmp_path: Path) -> Iterator[httpx.Client]:
         yield live.client()
 
 
-def elastic_job(max_steps: int, every: int = 10, min_workers: int = 1,
-                grace_s: float = 300) -> dict[str, Any]:
+def elastic_job(
+    max_steps: int, every: int = 10, min_workers: int = 1, grace_s: float = 300
+) -> dict[str, Any]:
     return {
         "name": "elastic",
         "workload": "image-classification",
         "hyperparameters": {
-            "model": "small_cnn", "dataset": "synthetic", "synthetic_samples": DATASET,
-            "max_steps": max_steps, "global_batch_size": BATCH, "learning_rate": 0.05,
-            "seed": 7, "dtype": "float64", "record_samples": True,
-            "lr_schedule": "cosine", "warmup_steps": 20,
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "synthetic_samples": DATASET,
+            "max_steps": max_steps,
+            "global_batch_size": BATCH,
+            "learning_rate": 0.05,
+            "seed": 7,
+            "dtype": "float64",
+            "record_samples": True,
+            "lr_schedule": "cosine",
+            "warmup_steps": 20,
         },
         "scaling": {"min_workers": min_workers, "max_workers": 3, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": every, "keep": 3},
@@ -71,12 +79,14 @@ def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: 
         job = get(api, job_id)
         assert job["state"] not in TERMINAL or test(job), job
         return job if test(job) else None
+
     return wait_for(check, timeout, interval=0.1, what=what)
 
 
 def finish(api: httpx.Client, job_id: str) -> dict[str, Any]:
-    return wait_for(lambda: (j := get(api, job_id))["state"] in TERMINAL and j, 300,
-                    what="the job to end")
+    return wait_for(
+        lambda: (j := get(api, job_id))["state"] in TERMINAL and j, 300, what="the job to end"
+    )
 
 
 def final_parameters(api: httpx.Client, job_id: str) -> dict[str, torch.Tensor]:
@@ -92,7 +102,8 @@ def samples_that_count(checkpoint_root: Path) -> Counter[tuple[int, int]]:
         for line in f.read_text().splitlines():
             r = json.loads(line)
             by_step.setdefault(r["s"], {}).setdefault(r["a"], []).extend(
-                (r["e"], i) for i in r["i"])
+                (r["e"], i) for i in r["i"]
+            )
     counted: Counter[tuple[int, int]] = Counter()
     for attempts in by_step.values():
         counted.update(attempts[max(attempts)])
@@ -105,23 +116,37 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     steps = 240
     baseline = api.post("/v1/jobs", json=elastic_job(steps)).json()
     assert finish(api, baseline["id"])["state"] == "succeeded"
-    assert [e["data"]["world_size"] for e in events(api, baseline["id"], "attempt_started")] \
-        == [3]
+    assert [e["data"]["world_size"] for e in events(api, baseline["id"], "attempt_started")] == [3]
 
     job = api.post("/v1/jobs", json=elastic_job(steps)).json()
-    wait_until(api, job["id"], lambda j: j["step"] >= 40 and j["world_size"] == 3, 180,
-               "training at 3 workers")
+    wait_until(
+        api,
+        job["id"],
+        lambda j: j["step"] >= 40 and j["world_size"] == 3,
+        180,
+        "training at 3 workers",
+    )
     pool.kill_node(pool.pool[1])
-    wait_until(api, job["id"], lambda j: j["world_size"] == 2 and j["state"] == "running"
-               and j["step"] >= 100, 120, "training at 2 workers")
+    wait_until(
+        api,
+        job["id"],
+        lambda j: j["world_size"] == 2 and j["state"] == "running" and j["step"] >= 100,
+        120,
+        "training at 2 workers",
+    )
     pool.add_node()
     done = finish(api, job["id"])
 
     assert done["state"] == "succeeded" and done["step"] == steps
     assert states(api, job["id"]) == [
-        "queued", "starting", "running", "recovering", "running", "succeeded"]
-    assert [e["data"]["world_size"] for e in events(api, job["id"], "attempt_started")] \
-        == [3, 2, 3]
+        "queued",
+        "starting",
+        "running",
+        "recovering",
+        "running",
+        "succeeded",
+    ]
+    assert [e["data"]["world_size"] for e in events(api, job["id"], "attempt_started")] == [3, 2, 3]
 
     (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
     (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
@@ -155,8 +180,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(
 ) -> None:
     job = api.post("/v1/jobs", json=elastic_job(400, every=50)).json()
     root = tmp_path / "checkpoints" / job["id"]
-    wait_until(api, job["id"], lambda j: j["step"] >= 105 and j["world_size"] == 3, 180,
-               "two checkpoints")
+    wait_until(
+        api, job["id"], lambda j: j["step"] >= 105 and j["world_size"] == 3, 180, "two checkpoints"
+    )
     newest = sorted(root.glob("step_*"))[-1]
     (newest / "state.pt").write_bytes(b"\0" * (newest / "state.pt").stat().st_size)
     pool.kill_node(pool.pool[0])
@@ -166,23 +192,24 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(
     corrupt = [e["data"] for e in events(api, job["id"], "checkpoint_corrupt")]
     bad_step = int(newest.name.split("_")[1])
     assert [(c["step"], c["reason"]) for c in corrupt] == [
-        (bad_step, f"{newest.name}: state.pt fails its checksum")]
+        (bad_step, f"{newest.name}: state.pt fails its checksum")
+    ]
     (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
     assert restored["checkpoint_step"] == bad_step - 50
     assert set(samples_that_count(root).values()) == {1}
 
 
-def test_below_min_workers_the_job_waits_then_fails(
-    api: httpx.Client, pool: ClusterPool
-) -> None:
+def test_below_min_workers_the_job_waits_then_fails(api: httpx.Client, pool: ClusterPool) -> None:
     job = api.post("/v1/jobs", json=elastic_job(100_000, min_workers=3, grace_s=3)).json()
     wait_until(api, job["id"], lambda j: j["state"] == "running", 180, "running")
     pool.kill_node(pool.pool[2])
     wait_until(api, job["id"], lambda j: j["state"] == "recovering", 30, "recovering")
     done = finish(api, job["id"])
     assert done["state"] == "failed"
-    assert done["message"] == ("only 2 workers of {'CPU': 1.0} fit, below min_workers (3), "
-                               "for longer than the 3 s grace period")
+    assert done["message"] == (
+        "only 2 workers of {'CPU': 1.0} fit, below min_workers (3), "
+        "for longer than the 3 s grace period"
+    )
     assert states(api, job["id"]) == ["queued", "starting", "running", "recovering", "failed"]
     assert [e["data"]["from_world"] for e in events(api, job["id"], "worker_lost")] == [3]
 
@@ -197,8 +224,9 @@ def test_a_job_waits_queued_while_even_min_workers_do_not_fit(
         assert get(api, waiting["id"])["state"] == "queued"
         time.sleep(0.3)
     assert api.post(f"/v1/jobs/{hog['id']}/cancel").json()["state"] == "cancelled"
-    started = wait_until(api, waiting["id"], lambda j: j["state"] == "running", 180,
-                         "the second job running")
+    started = wait_until(
+        api, waiting["id"], lambda j: j["state"] == "running", 180, "the second job running"
+    )
     assert started["world_size"] == 3  # all of the cluster, once it is free
     api.post(f"/v1/jobs/{waiting['id']}/cancel")
     assert states(api, waiting["id"]) == ["queued", "starting", "running", "cancelled"]

@@ -23,8 +23,7 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[LiveServer]:
+def fuzz_server(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # No rate limit here: the fuzzer is the only client and must see real answers.
     settings = make_settings(tmp_path_factory.mktemp("fuzz"), rate_limit_per_s=0)
     with LiveServer(settings) as live:
@@ -42,11 +41,11 @@ schema = schemathesis.from_pytest_fixture("api_schema", endpoint="^(?!/v1/events
 
 
 @schema.parametrize()
-@settings(max_examples=12, derandomize=True, deadline=None,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_request_breaks_the_api_or_its_schema(case: Any, fuzz_server: LiveServer) -> None:
-    response = case.call_and_validate(headers=AUTH, timeout=30,
-                                      checks=(not_a_server_error, response_schema_conformance))
+    response = case.call_and_validate(
+        headers=AUTH, timeout=30, checks=(not_a_server_error, response_schema_conformance)
+    )
     if case.path == "/v1/jobs" and case.method == "POST" and response.status_code in (200, 201):
         with fuzz_server.client() as client:  # an accepted job must not train for long
             job = response.json()
@@ -60,28 +59,38 @@ def _not_int_text() -> st.SearchStrategy[str]:
 
 # For each field, values it must refuse (none of them is valid, in any combination).
 INVALID: dict[str, st.SearchStrategy[Any]] = {
-    "name": st.one_of(st.just(""), st.text(alphabet=";$`|&<>(){}/\\!\n", min_size=1),
-                      st.text(alphabet="ab", min_size=129, max_size=140), st.integers()),
+    "name": st.one_of(
+        st.just(""),
+        st.text(alphabet=";$`|&<>(){}/\\!\n", min_size=1),
+        st.text(alphabet="ab", min_size=129, max_size=140),
+        st.integers(),
+    ),
     "workload": st.text(max_size=40).filter(lambda s: s != "image-classification"),
-    "scaling.min_workers": st.one_of(st.integers(max_value=0), st.integers(min_value=1025),
-                                     _not_int_text(), st.none()),
+    "scaling.min_workers": st.one_of(
+        st.integers(max_value=0), st.integers(min_value=1025), _not_int_text(), st.none()
+    ),
     "scaling.max_workers": st.one_of(st.integers(max_value=0), st.integers(min_value=1025)),
     "scaling.cpus_per_worker": st.one_of(
         st.floats(max_value=0, allow_nan=False, allow_infinity=False),
-        st.floats(min_value=512.001, max_value=1e9)),
+        st.floats(min_value=512.001, max_value=1e9),
+    ),
     "scaling.gpus_per_worker": st.one_of(st.integers(max_value=-1), st.integers(min_value=17)),
-    "checkpoint.every_steps": st.one_of(st.integers(max_value=0),
-                                        st.integers(min_value=10_000_001)),
+    "checkpoint.every_steps": st.one_of(
+        st.integers(max_value=0), st.integers(min_value=10_000_001)
+    ),
     "checkpoint.keep": st.one_of(st.integers(max_value=0), st.integers(min_value=1001)),
     "failure.max_restarts": st.one_of(st.integers(max_value=-1), st.integers(min_value=10_001)),
     "failure.min_workers_grace_s": st.floats(max_value=-0.001, allow_infinity=False),
-    "hyperparameters.max_steps": st.one_of(st.integers(max_value=0),
-                                           st.integers(min_value=100_000_001)),
+    "hyperparameters.max_steps": st.one_of(
+        st.integers(max_value=0), st.integers(min_value=100_000_001)
+    ),
     "hyperparameters.global_batch_size": st.integers(max_value=0),
-    "hyperparameters.learning_rate": st.one_of(st.floats(max_value=0, allow_infinity=False),
-                                               st.floats(min_value=100.001, max_value=1e12)),
+    "hyperparameters.learning_rate": st.one_of(
+        st.floats(max_value=0, allow_infinity=False), st.floats(min_value=100.001, max_value=1e12)
+    ),
     "hyperparameters.model": st.text(max_size=12).filter(
-        lambda s: s not in {"resnet18", "small_cnn"}),
+        lambda s: s not in {"resnet18", "small_cnn"}
+    ),
     "hyperparameters.unknown_knob": st.integers(),
     "surprise": st.integers(),
 }
@@ -109,8 +118,9 @@ def test_every_invalid_spec_is_a_4xx_naming_its_field(fuzz_server: LiveServer) -
     before = len(client.get("/v1/jobs", params={"limit": 500}).json()["items"])
 
     @given(invalid_spec())
-    @settings(max_examples=150, derandomize=True, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=150, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     def submit(case: tuple[str, dict[str, Any]]) -> None:
         field, body = case
         r = client.post("/v1/jobs", json=body)
@@ -128,14 +138,20 @@ def test_every_invalid_spec_is_a_4xx_naming_its_field(fuzz_server: LiveServer) -
 
 
 def test_a_body_that_is_not_a_spec_is_a_4xx(fuzz_server: LiveServer) -> None:
-    @given(st.one_of(st.binary(max_size=64), st.lists(st.integers(), max_size=4).map(
-        lambda x: httpx.Request("POST", "/", json=x).content)))
-    @settings(max_examples=40, derandomize=True, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @given(
+        st.one_of(
+            st.binary(max_size=64),
+            st.lists(st.integers(), max_size=4).map(
+                lambda x: httpx.Request("POST", "/", json=x).content
+            ),
+        )
+    )
+    @settings(
+        max_examples=40, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     def submit(body: bytes) -> None:
         with fuzz_server.client() as client:
-            r = client.post("/v1/jobs", content=body,
-                            headers={"content-type": "application/json"})
+            r = client.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
         assert 400 <= r.status_code < 500, r.text
         assert r.headers["content-type"] == "application/problem+json"
         if r.status_code == 422:

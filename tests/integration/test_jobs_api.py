@@ -23,8 +23,11 @@ def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:
 
 
 def wait_state(client: httpx.Client, job_id: str, states: set[str], timeout: float) -> dict:
-    return wait_for(lambda: (j := job_state(client, job_id))["state"] in states and j,
-                    timeout, what=f"{job_id} to reach {states}")
+    return wait_for(
+        lambda: (j := job_state(client, job_id))["state"] in states and j,
+        timeout,
+        what=f"{job_id} to reach {states}",
+    )
 
 
 def state_history(client: httpx.Client, job_id: str) -> list[str]:
@@ -33,8 +36,11 @@ def state_history(client: httpx.Client, job_id: str) -> list[str]:
 
 
 def alive_train_workers() -> list[Any]:
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-            if a.class_name == "RayTrainWorker"]
+    return [
+        a
+        for a in list_actors(filters=[("state", "=", "ALIVE")])
+        if a.class_name == "RayTrainWorker"
+    ]
 
 
 def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) -> None:
@@ -44,16 +50,26 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
     assert anonymous.get("/healthz").json() == {"status": "ok"}
     assert anonymous.get("/readyz").json() == {"status": "ready"}
     paths = anonymous.get("/openapi.json").json()["paths"]
-    routes = {(m.upper(), p) for p, ops in paths.items() for m in ops
-              if p not in ("/healthz", "/readyz")}
+    routes = {
+        (m.upper(), p) for p, ops in paths.items() for m in ops if p not in ("/healthz", "/readyz")
+    }
     assert {
-        ("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs/{job_id}"),
-        ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/jobs/{job_id}/checkpoints"),
-        ("GET", "/v1/jobs/{job_id}/events"), ("GET", "/v1/jobs/{job_id}/metrics"),
-        ("GET", "/v1/jobs/{job_id}/logs"), ("GET", "/v1/events"), ("GET", "/v1/me"),
+        ("POST", "/v1/jobs"),
+        ("GET", "/v1/jobs"),
+        ("GET", "/v1/jobs/{job_id}"),
+        ("POST", "/v1/jobs/{job_id}/cancel"),
+        ("GET", "/v1/jobs/{job_id}/checkpoints"),
+        ("GET", "/v1/jobs/{job_id}/events"),
+        ("GET", "/v1/jobs/{job_id}/metrics"),
+        ("GET", "/v1/jobs/{job_id}/logs"),
+        ("GET", "/v1/events"),
+        ("GET", "/v1/me"),
         ("GET", "/v1/cluster"),
-        ("POST", "/v1/users"), ("GET", "/v1/users"), ("POST", "/v1/tokens"),
-        ("GET", "/v1/tokens"), ("POST", "/v1/tokens/{token_id}/revoke"),
+        ("POST", "/v1/users"),
+        ("GET", "/v1/users"),
+        ("POST", "/v1/tokens"),
+        ("GET", "/v1/tokens"),
+        ("POST", "/v1/tokens/{token_id}/revoke"),
     } <= routes
     assert all(p.startswith("/v1/") for _, p in routes)
     for method, path in sorted(routes):
@@ -66,16 +82,28 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
             assert r.json()["status"] == 401
 
 
-@pytest.mark.parametrize("patch,field,message", [
-    ({"scaling": {"min_workers": 3, "max_workers": 2}}, "scaling.min_workers",
-     "min_workers (3) must not exceed max_workers (2)"),
-    ({"workload": "video-generation"}, "workload", "unknown workload 'video-generation'"),
-    ({"hyperparameters": {"max_steps": 5, "learning_rate": -1}},
-     "hyperparameters.learning_rate", "Input should be greater than 0"),
-    ({"scaling": {"min_workers": 50, "max_workers": 60}}, "scaling.min_workers",
-     "min_workers is 50 but this cluster can hold at most 3 workers of {'CPU': 1.0}"),
-    ({"workload": "os:system"}, "workload", "module 'os' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "patch,field,message",
+    [
+        (
+            {"scaling": {"min_workers": 3, "max_workers": 2}},
+            "scaling.min_workers",
+            "min_workers (3) must not exceed max_workers (2)",
+        ),
+        ({"workload": "video-generation"}, "workload", "unknown workload 'video-generation'"),
+        (
+            {"hyperparameters": {"max_steps": 5, "learning_rate": -1}},
+            "hyperparameters.learning_rate",
+            "Input should be greater than 0",
+        ),
+        (
+            {"scaling": {"min_workers": 50, "max_workers": 60}},
+            "scaling.min_workers",
+            "min_workers is 50 but this cluster can hold at most 3 workers of {'CPU': 1.0}",
+        ),
+        ({"workload": "os:system"}, "workload", "module 'os' is not allowed"),
+    ],
+)
 def test_a_bad_spec_is_refused_naming_the_field_and_creates_nothing(
     server: LiveServer, patch: dict, field: str, message: str
 ) -> None:
@@ -176,7 +204,6 @@ def test_a_restarted_service_finds_the_running_job(ray_cluster: Any, tmp_path: P
         assert done["state"] == "succeeded" and done["step"] == 400
         events = client.get(f"/v1/jobs/{job['id']}/events").json()["items"]
         assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
-        assert state_history(client, job["id"]) == ["queued", "starting", "running",
-                                                     "succeeded"]
+        assert state_history(client, job["id"]) == ["queued", "starting", "running", "succeeded"]
         metric_steps = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
         assert metric_steps == [1, *range(20, 401, 20)]

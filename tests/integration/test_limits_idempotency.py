@@ -35,8 +35,9 @@ def test_the_same_key_and_body_return_the_original_job(server: LiveServer) -> No
 
     other = client.post("/v1/jobs", json={**LONG, "name": "another"}, headers=key)
     assert other.status_code == 422, other.text
-    assert other.json()["errors"] == [{"field": "Idempotency-Key",
-                                       "message": "already used with a different body"}]
+    assert other.json()["errors"] == [
+        {"field": "Idempotency-Key", "message": "already used with a different body"}
+    ]
     # Another user's same key is theirs: a new job.
     alice = server.client(token=create_user_token(client, "alice"))
     assert alice.post("/v1/jobs", json=LONG, headers=key).status_code == 201
@@ -53,8 +54,12 @@ def test_a_retry_while_the_first_is_processed_is_409(server: LiveServer) -> None
     client = server.client()
     store = server.app.state.store
     # The first request has claimed the key and is still placing its job.
-    assert store.claim_idempotency_key("admin", "busy", _fingerprint(
-        JobSpec.model_validate(LONG)), 120) is None
+    assert (
+        store.claim_idempotency_key(
+            "admin", "busy", _fingerprint(JobSpec.model_validate(LONG)), 120
+        )
+        is None
+    )
     r = client.post("/v1/jobs", json=LONG, headers={"Idempotency-Key": "busy"})
     assert r.status_code == 409, r.text
     assert r.headers["retry-after"] == "1" and r.json()["title"] == "Request in progress"
@@ -76,20 +81,25 @@ def test_fifty_concurrent_identical_submissions_make_one_job(server: LiveServer)
     assert len(jobs) == 1
     assert {r.json()["id"] for r in responses if r.status_code in (200, 201)} == {jobs[0]["id"]}
     # Once the first has finished, every retry gets the job.
-    assert client.post("/v1/jobs", json=LONG,
-                       headers={"Idempotency-Key": "fifty"}).json()["id"] == jobs[0]["id"]
+    assert (
+        client.post("/v1/jobs", json=LONG, headers={"Idempotency-Key": "fifty"}).json()["id"]
+        == jobs[0]["id"]
+    )
     _cancel_all(client)
 
 
 def _limited(tmp_path: Path) -> LiveServer:
-    return LiveServer(make_settings(tmp_path, max_body_bytes=4096, rate_limit_per_s=1,
-                                    rate_limit_burst=5))
+    return LiveServer(
+        make_settings(tmp_path, max_body_bytes=4096, rate_limit_per_s=1, rate_limit_burst=5)
+    )
 
 
 def test_a_body_over_the_limit_is_413(ray_cluster: Any, tmp_path: Path) -> None:
     with _limited(tmp_path) as live, live.client() as client:
-        big = {**small_job(), "hyperparameters": {**small_job()["hyperparameters"],
-                                                  "padding": "x" * 5000}}
+        big = {
+            **small_job(),
+            "hyperparameters": {**small_job()["hyperparameters"], "padding": "x" * 5000},
+        }
         r = client.post("/v1/jobs", json=big)
         assert r.status_code == 413 and r.headers["content-type"] == "application/problem+json"
         assert r.json()["detail"] == "the body may be at most 4096 bytes"
@@ -100,8 +110,7 @@ def test_a_body_over_the_limit_is_413(ray_cluster: Any, tmp_path: Path) -> None:
                 yield b"y" * 1000
             yield b'"}'
 
-        r = client.post("/v1/jobs", content=chunks(),
-                        headers={"content-type": "application/json"})
+        r = client.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text
         assert client.get("/v1/jobs").json()["items"] == []
 

@@ -33,18 +33,28 @@ class Api:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir / "serve.log"
-        self.env = {**os.environ, "ETRAIN_RAY_ADDRESS": ray_address,
-                    "ETRAIN_RAY_NAMESPACE": NAMESPACE, "ETRAIN_DATA_DIR": str(data_dir),
-                    "ETRAIN_API_TOKEN": TOKEN, "ETRAIN_PORT": str(self.port),
-                    "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2", "ETRAIN_LOG_LEVEL": "warning",
-                    "ETRAIN_ENTRYPOINT_MODULES": json.dumps(["tests.workloads"])}
+        self.env = {
+            **os.environ,
+            "ETRAIN_RAY_ADDRESS": ray_address,
+            "ETRAIN_RAY_NAMESPACE": NAMESPACE,
+            "ETRAIN_DATA_DIR": str(data_dir),
+            "ETRAIN_API_TOKEN": TOKEN,
+            "ETRAIN_PORT": str(self.port),
+            "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+            "ETRAIN_LOG_LEVEL": "warning",
+            "ETRAIN_ENTRYPOINT_MODULES": json.dumps(["tests.workloads"]),
+        }
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"],
-                                         cwd=REPO, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "service.cli", "serve"],
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         wait_for(self._ready, timeout=120, interval=0.5, what="etrain serve to be ready")
 
     def _ready(self) -> bool:
@@ -62,17 +72,25 @@ class Api:
         return code
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=30,
-                            headers={"Authorization": f"Bearer {TOKEN}"})
+        return httpx.Client(
+            base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}
+        )
 
 
 def gated_job(name: str, gate: Path) -> dict[str, Any]:
     return {
-        "name": name, "workload": "tests.workloads.gated:train_loop",
-        "hyperparameters": {"model": "small_cnn", "dataset": "synthetic",
-                            "max_steps": MAX_STEPS, "global_batch_size": 32,
-                            "learning_rate": 0.05, "seed": 0, "gate": str(gate),
-                            "hold_at_step": HOLD_AT},
+        "name": name,
+        "workload": "tests.workloads.gated:train_loop",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "max_steps": MAX_STEPS,
+            "global_batch_size": 32,
+            "learning_rate": 0.05,
+            "seed": 0,
+            "gate": str(gate),
+            "hold_at_step": HOLD_AT,
+        },
         "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 5, "keep": 2},
     }
@@ -80,14 +98,17 @@ def gated_job(name: str, gate: Path) -> dict[str, Any]:
 
 def snapshot(client: httpx.Client) -> list[tuple[Any, ...]]:
     items = client.get("/v1/jobs").json()["items"]
-    return [(j["id"], j["name"], j["state"], j["step"], j["world_size"], j["restarts"])
-            for j in items]
+    return [
+        (j["id"], j["name"], j["state"], j["step"], j["world_size"], j["restarts"]) for j in items
+    ]
 
 
 def history(client: httpx.Client, job_id: str) -> tuple[list[str], int]:
     events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
-    return ([e["data"]["state"] for e in events if e["kind"] == "state"],
-            sum(e["kind"] == "attempt_started" for e in events))
+    return (
+        [e["data"]["state"] for e in events if e["kind"] == "state"],
+        sum(e["kind"] == "attempt_started" for e in events),
+    )
 
 
 @pytest.fixture
@@ -114,8 +135,12 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
         def held() -> list[str]:
             return [j for j in ids if client.get(f"/v1/jobs/{j}").json()["step"] == HOLD_AT]
 
-        wait_for(lambda: len(held()) == 3, timeout=240, interval=0.5,
-                 what=f"three jobs to reach step {HOLD_AT}")
+        wait_for(
+            lambda: len(held()) == 3,
+            timeout=240,
+            interval=0.5,
+            what=f"three jobs to reach step {HOLD_AT}",
+        )
         survivors, vanished = held()[:2], held()[2]
         (waiting,) = set(ids) - {*survivors, vanished}
         before = snapshot(client)
@@ -127,27 +152,36 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
     for downtime in (0, 20, 60):
         assert api.kill() == -signal.SIGKILL
         if downtime == 60:  # one job's Ray side vanishes while the API is down
-            ray.kill(ray.get_actor(supervisor_name(vanished), namespace=NAMESPACE),
-                     no_restart=True)
+            ray.kill(ray.get_actor(supervisor_name(vanished), namespace=NAMESPACE), no_restart=True)
         time.sleep(downtime)
         api.start()
         with api.client() as client:
             if downtime < 60:
                 assert snapshot(client) == before, downtime
                 continue
-            failed = wait_for(lambda: (j := client.get(f"/v1/jobs/{vanished}").json())[
-                "state"] == "failed" and j, timeout=30, what="the vanished job to be failed")
-            assert failed["message"] == ("the job's supervisor is gone from Ray (the cluster "
-                                         "restarted or lost its node)")
+            failed = wait_for(
+                lambda: (j := client.get(f"/v1/jobs/{vanished}").json())["state"] == "failed" and j,
+                timeout=30,
+                what="the vanished job to be failed",
+            )
+            assert failed["message"] == (
+                "the job's supervisor is gone from Ray (the cluster restarted or lost its node)"
+            )
             # Its node is free again: the waiting job starts.
-            wait_for(lambda: client.get(f"/v1/jobs/{waiting}").json()["state"] == "running",
-                     timeout=120, interval=0.5, what="the waiting job to start")
+            wait_for(
+                lambda: client.get(f"/v1/jobs/{waiting}").json()["state"] == "running",
+                timeout=120,
+                interval=0.5,
+                what="the waiting job to start",
+            )
             after = {row[0]: row for row in snapshot(client)}
             assert [after[j] for j in survivors] == [rows[j] for j in survivors]
 
     # A graceful stop: a live stream is closed with a last message, the jobs train on.
-    with api.client() as client, client.stream("GET", f"/v1/jobs/{survivors[0]}/events",
-                                               headers=SSE, timeout=60) as stream:
+    with (
+        api.client() as client,
+        client.stream("GET", f"/v1/jobs/{survivors[0]}/events", headers=SSE, timeout=60) as stream,
+    ):
         lines = stream.iter_lines()
         first = next(iter_sse(lines))
         assert first["id"] == "1"
@@ -167,9 +201,17 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
         assert client.post(f"/v1/jobs/{waiting}/cancel").json()["state"] == "cancelled"
         gate.touch()
         for job_id in survivors:
-            done = wait_for(lambda j=job_id: (x := client.get(f"/v1/jobs/{j}").json())[
-                "state"] in {"succeeded", "failed"} and x, timeout=120, what="a job to finish")
+            done = wait_for(
+                lambda j=job_id: (
+                    (x := client.get(f"/v1/jobs/{j}").json())["state"] in {"succeeded", "failed"}
+                    and x
+                ),
+                timeout=120,
+                what="a job to finish",
+            )
             assert (done["state"], done["step"]) == ("succeeded", MAX_STEPS), done
             assert history(client, job_id) == (
-                ["queued", "starting", "running", "succeeded"], 1)  # never started twice
+                ["queued", "starting", "running", "succeeded"],
+                1,
+            )  # never started twice
         assert history(client, waiting)[0][-2:] == ["running", "cancelled"]

@@ -43,10 +43,16 @@ def parse_sse(lines: Iterator[str], stop_after: int | None = None) -> list[dict[
     return messages
 
 
-def read_stream(server: LiveServer, path: str, headers: dict[str, str] | None = None,
-                stop_after: int | None = None) -> list[dict[str, Any]]:
-    with server.client() as client, client.stream(
-            "GET", path, headers={**SSE, **(headers or {})}, timeout=300) as r:
+def read_stream(
+    server: LiveServer,
+    path: str,
+    headers: dict[str, str] | None = None,
+    stop_after: int | None = None,
+) -> list[dict[str, Any]]:
+    with (
+        server.client() as client,
+        client.stream("GET", path, headers={**SSE, **(headers or {})}, timeout=300) as r,
+    ):
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         return parse_sse(r.iter_lines(), stop_after)
@@ -62,8 +68,10 @@ def test_a_client_sees_the_job_live_in_order(server: LiveServer) -> None:
     listening = threading.Event()
 
     def watch_all_jobs() -> None:
-        with server.client() as client, client.stream("GET", "/v1/events", headers=SSE,
-                                                      timeout=300) as r:
+        with (
+            server.client() as client,
+            client.stream("GET", "/v1/events", headers=SSE, timeout=300) as r,
+        ):
             listening.set()
             for message in iter_sse(r.iter_lines()):
                 everything.append(message)
@@ -85,34 +93,53 @@ def test_a_client_sees_the_job_live_in_order(server: LiveServer) -> None:
     assert messages[-1]["event"] == "state"  # the stream ends with the terminal event
     steps = [m["data"]["data"]["step"] for m in messages if m["event"] == "metrics"]
     assert steps == [1, *range(5, 51, 5)]
-    running = next(i for i, m in enumerate(messages) if m["event"] == "state"
-                   and m["data"]["data"]["state"] == "running")
+    running = next(
+        i
+        for i, m in enumerate(messages)
+        if m["event"] == "state" and m["data"]["data"]["state"] == "running"
+    )
     first_metrics = next(i for i, m in enumerate(messages) if m["event"] == "metrics")
     assert running < first_metrics
 
     watcher.join(30)
-    mine = [(m["data"]["type"], m["data"]["job"]["state"]) for m in everything
-            if m["data"]["job"]["id"] == job["id"]]
-    assert mine == [("created", "queued"), ("state", "starting"), ("state", "running"),
-                    ("state", "succeeded")]
+    mine = [
+        (m["data"]["type"], m["data"]["job"]["state"])
+        for m in everything
+        if m["data"]["job"]["id"] == job["id"]
+    ]
+    assert mine == [
+        ("created", "queued"),
+        ("state", "starting"),
+        ("state", "running"),
+        ("state", "succeeded"),
+    ]
 
 
 def test_reconnecting_and_an_api_restart_lose_nothing(ray_cluster: Any, tmp_path: Path) -> None:
     with LiveServer(make_settings(tmp_path)) as first:
         with first.client() as client:
-            job = client.post("/v1/jobs", json=small_job(max_steps=600,
-                                                         report_every_steps=10)).json()
+            job = client.post(
+                "/v1/jobs", json=small_job(max_steps=600, report_every_steps=10)
+            ).json()
         part1 = read_stream(first, f"/v1/jobs/{job['id']}/events", stop_after=3)
         # A reconnect by Last-Event-ID picks up exactly where the first read stopped.
-        part2 = read_stream(first, f"/v1/jobs/{job['id']}/events",
-                            headers={"Last-Event-ID": part1[-1]["id"]}, stop_after=4)
-        wait_for(lambda: any(e["kind"] == "metrics" for e in full_log(first, job["id"])), 120,
-                 what="the first metrics")
+        part2 = read_stream(
+            first,
+            f"/v1/jobs/{job['id']}/events",
+            headers={"Last-Event-ID": part1[-1]["id"]},
+            stop_after=4,
+        )
+        wait_for(
+            lambda: any(e["kind"] == "metrics" for e in full_log(first, job["id"])),
+            120,
+            what="the first metrics",
+        )
     down_from = time.time()
     time.sleep(3)  # the API is down; the job trains on and its supervisor keeps the events
     with LiveServer(make_settings(tmp_path)) as second:
-        part3 = read_stream(second, f"/v1/jobs/{job['id']}/events",
-                            headers={"Last-Event-ID": part2[-1]["id"]})
+        part3 = read_stream(
+            second, f"/v1/jobs/{job['id']}/events", headers={"Last-Event-ID": part2[-1]["id"]}
+        )
         log = full_log(second, job["id"])
     received = [m["data"] for m in part1 + part2 + part3]
     assert received == log
@@ -123,8 +150,7 @@ def test_reconnecting_and_an_api_restart_lose_nothing(ray_cluster: Any, tmp_path
 
 def test_a_hundred_clients_all_get_the_whole_stream(server: LiveServer) -> None:
     with server.client() as client:
-        job = client.post("/v1/jobs", json=small_job(max_steps=200,
-                                                     report_every_steps=2)).json()
+        job = client.post("/v1/jobs", json=small_job(max_steps=200, report_every_steps=2)).json()
 
     async def one(client: httpx.AsyncClient) -> list[int]:
         async with client.stream("GET", f"/v1/jobs/{job['id']}/events", headers=SSE) as r:
@@ -136,8 +162,12 @@ def test_a_hundred_clients_all_get_the_whole_stream(server: LiveServer) -> None:
 
     async def all_of_them() -> list[list[int]]:
         limits = httpx.Limits(max_connections=200)
-        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=300,
-                                     headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        async with httpx.AsyncClient(
+            base_url=server.url,
+            limits=limits,
+            timeout=300,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as client:
             return await asyncio.gather(*(one(client) for _ in range(100)))
 
     results = asyncio.run(all_of_them())
@@ -148,9 +178,7 @@ def test_a_hundred_clients_all_get_the_whole_stream(server: LiveServer) -> None:
     assert len(results) == 100
 
 
-def test_keepalives_and_a_client_behind_told_to_reconnect(
-    ray_cluster: Any, tmp_path: Path
-) -> None:
+def test_keepalives_and_a_client_behind_told_to_reconnect(ray_cluster: Any, tmp_path: Path) -> None:
     # A lag of 5 events is "too far behind" here, so bursts of metrics cut readers off.
     settings = make_settings(tmp_path, sse_keepalive_s=0.5, sse_client_buffer=5)
     with LiveServer(settings) as live, live.client() as client:
@@ -158,8 +186,12 @@ def test_keepalives_and_a_client_behind_told_to_reconnect(
         received: list[dict[str, Any]] = []
         reconnects, keepalives, last = 0, 0, "0"
         while True:
-            with client.stream("GET", f"/v1/jobs/{job['id']}/events", timeout=300,
-                               headers={**SSE, "Last-Event-ID": last}) as r:
+            with client.stream(
+                "GET",
+                f"/v1/jobs/{job['id']}/events",
+                timeout=300,
+                headers={**SSE, "Last-Event-ID": last},
+            ) as r:
                 lines = list(r.iter_lines())
             keepalives += lines.count(": keep-alive")
             messages = parse_sse(iter(lines))
@@ -180,20 +212,32 @@ def test_keepalives_and_a_client_behind_told_to_reconnect(
 def test_metrics_come_back_as_columns_and_downsampled(server: LiveServer) -> None:
     with server.client() as client:
         job = client.post("/v1/jobs", json=small_job(max_steps=50)).json()
-        wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["state"] == "succeeded",
-                 180, what="succeeded")
+        wait_for(
+            lambda: client.get(f"/v1/jobs/{job['id']}").json()["state"] == "succeeded",
+            180,
+            what="succeeded",
+        )
         full = client.get(f"/v1/jobs/{job['id']}/metrics").json()
         assert full["total_points"] == 50
         cols = full["columns"]
-        assert set(cols) == {"step", "time", "loss", "accuracy", "samples_per_s",
-                             "learning_rate", "world_size"}
+        assert set(cols) == {
+            "step",
+            "time",
+            "loss",
+            "accuracy",
+            "samples_per_s",
+            "learning_rate",
+            "world_size",
+        }
         assert cols["step"] == list(range(1, 51))
         assert set(cols["world_size"]) == {2} and set(cols["learning_rate"]) == {0.05}
         assert all(len(v) == 50 for v in cols.values())
-        assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"every": 10}).json()[
-            "columns"]["step"] == [1, 11, 21, 31, 41, 50]
-        assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"points": 5}).json()[
-            "columns"]["step"] == [1, 11, 21, 31, 41, 50]
+        assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"every": 10}).json()["columns"][
+            "step"
+        ] == [1, 11, 21, 31, 41, 50]
+        assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"points": 5}).json()["columns"][
+            "step"
+        ] == [1, 11, 21, 31, 41, 50]
         both = client.get(f"/v1/jobs/{job['id']}/metrics", params={"every": 2, "points": 5})
         assert both.status_code == 400
 
@@ -201,9 +245,12 @@ def test_metrics_come_back_as_columns_and_downsampled(server: LiveServer) -> Non
 def test_what_workers_print_reaches_the_logs(ray_cluster: Any, tmp_path: Path) -> None:
     settings = make_settings(tmp_path, entrypoint_modules=["tests.workloads"])
     with LiveServer(settings) as live, live.client() as client:
-        spec = {"name": "chatty", "workload": "tests.workloads.chatty:train_loop",
-                "hyperparameters": {"steps": 3},
-                "scaling": {"min_workers": 2, "max_workers": 2}}
+        spec = {
+            "name": "chatty",
+            "workload": "tests.workloads.chatty:train_loop",
+            "hyperparameters": {"steps": 3},
+            "scaling": {"min_workers": 2, "max_workers": 2},
+        }
         r = client.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
         job = r.json()
@@ -217,17 +264,24 @@ def test_what_workers_print_reaches_the_logs(ray_cluster: Any, tmp_path: Path) -
         assert (rank, "stderr", f"rank {rank} to stderr") in by_rank
         assert (rank, "stderr", f"rank {rank} logs a warning") in by_rank
         assert (rank, "stdout", f"rank {rank} step 2") in by_rank
-        assert any(s == "stderr" and f"UserWarning: rank {rank} warns" in t
-                   for r_, s, t in by_rank if r_ == rank)
+        assert any(
+            s == "stderr" and f"UserWarning: rank {rank} warns" in t
+            for r_, s, t in by_rank
+            if r_ == rank
+        )
     assert all(entry["attempt"] == 1 for entry in lines)
     assert {m["event"] for m in followed} == {"log"}
-    followed_lines = {(m["data"]["data"]["rank"], line[2]) for m in followed
-                      for line in m["data"]["data"]["lines"]}
+    followed_lines = {
+        (m["data"]["data"]["rank"], line[2])
+        for m in followed
+        for line in m["data"]["data"]["lines"]
+    }
     assert (1, "hello from rank 1") in followed_lines
 
 
-@pytest.mark.parametrize("path", ["/v1/events", "/v1/jobs/job-x/events", "/v1/jobs/job-x/logs",
-                                  "/v1/jobs/job-x/metrics"])
+@pytest.mark.parametrize(
+    "path", ["/v1/events", "/v1/jobs/job-x/events", "/v1/jobs/job-x/logs", "/v1/jobs/job-x/metrics"]
+)
 def test_streams_need_the_token(server: LiveServer, path: str) -> None:
     with server.client(token=None) as client:
         assert client.get(path, headers=SSE).status_code == 401

@@ -22,24 +22,39 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def finish(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
-    return wait_for(lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"]
-                    in TERMINAL and j, timeout, what=f"{job_id} to end")
+    return wait_for(
+        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        timeout,
+        what=f"{job_id} to end",
+    )
 
 
 def metrics(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    items = client.get(f"/v1/jobs/{job_id}/events",
-                       params={"kind": "metrics", "limit": 5000}).json()["items"]
+    items = client.get(
+        f"/v1/jobs/{job_id}/events", params={"kind": "metrics", "limit": 5000}
+    ).json()["items"]
     return [e["data"] for e in items]
 
 
-def test_text_classification_trains_sharded_over_2_workers(server: LiveServer,
-                                                           tmp_path: Path) -> None:
+def test_text_classification_trains_sharded_over_2_workers(
+    server: LiveServer, tmp_path: Path
+) -> None:
     data = sentiment.write(tmp_path / "reviews.jsonl", 600)
     spec = {
-        "name": "reviews", "workload": "text-classification",
-        "hyperparameters": {"data_path": str(data), "eval_fraction": 0.2, "epochs": 4,
-                            "global_batch_size": 32, "width": 32, "heads": 2, "layers": 1,
-                            "max_length": 16, "learning_rate": 0.01, "dropout": 0.0},
+        "name": "reviews",
+        "workload": "text-classification",
+        "hyperparameters": {
+            "data_path": str(data),
+            "eval_fraction": 0.2,
+            "epochs": 4,
+            "global_batch_size": 32,
+            "width": 32,
+            "heads": 2,
+            "layers": 1,
+            "max_length": 16,
+            "learning_rate": 0.01,
+            "dropout": 0.0,
+        },
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 30, "keep": 2},
         "distributed": {"strategy": "fsdp"},
@@ -63,18 +78,29 @@ def test_text_classification_trains_sharded_over_2_workers(server: LiveServer,
     model.load_state_dict(state["model"])
 
 
-def test_the_image_workload_learns_real_digits_on_2_workers(server: LiveServer,
-                                                            tmp_path: Path) -> None:
+def test_the_image_workload_learns_real_digits_on_2_workers(
+    server: LiveServer, tmp_path: Path
+) -> None:
     """scikit-learn's bundled 8x8 digits (1437 training, 360 held-out images): at least 95%
     held-out accuracy after 10 epochs on 2 workers."""
     train, held_out = digits.write_imagefolders(tmp_path / "digits")
     spec = {
-        "name": "digits", "workload": "image-classification",
-        "hyperparameters": {"model": "small_cnn", "dataset": "imagefolder",
-                            "data_path": str(train), "eval_path": str(held_out),
-                            "image_size": 8, "augment": "none", "num_classes": 10,
-                            "epochs": 10, "global_batch_size": 64, "learning_rate": 0.1,
-                            "lr_schedule": "cosine", "report_every_steps": 23},
+        "name": "digits",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "imagefolder",
+            "data_path": str(train),
+            "eval_path": str(held_out),
+            "image_size": 8,
+            "augment": "none",
+            "num_classes": 10,
+            "epochs": 10,
+            "global_batch_size": 64,
+            "learning_rate": 0.1,
+            "lr_schedule": "cosine",
+            "report_every_steps": 23,
+        },
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 100, "keep": 1},
     }
@@ -89,19 +115,27 @@ def test_the_image_workload_learns_real_digits_on_2_workers(server: LiveServer,
 
 
 def test_the_documented_custom_loop_trains_and_resumes(tmp_path: Path) -> None:
-    spec = JobSpec.model_validate({
-        "name": "custom", "workload": "examples.custom_train_loop:train_loop",
-        "hyperparameters": {"epochs": 4, "global_batch_size": 128, "report_every_steps": 8},
-        "checkpoint": {"every_steps": 32},
-    })
+    spec = JobSpec.model_validate(
+        {
+            "name": "custom",
+            "workload": "examples.custom_train_loop:train_loop",
+            "hyperparameters": {"epochs": 4, "global_batch_size": 128, "report_every_steps": 8},
+            "checkpoint": {"every_steps": 32},
+        }
+    )
     whole = WorkerContext.standalone(0, 1, str(tmp_path / "a"), every_steps=32)
     run_with_context(custom_train_loop.train_loop, spec.train_config(), whole)
     evals = [d["eval_loss"] for k, d in whole.local_events if k == "metrics" and "eval_loss" in d]
     assert len(evals) == 4 and evals[-1] < 0.25 * evals[0], evals
 
     # From the checkpoint of step 64, as a restarted attempt would: the same end state.
-    resumed = WorkerContext.standalone(0, 1, str(tmp_path / "b"), every_steps=32,
-                                       resume_path=str(tmp_path / "a" / "step_0000000064"))
+    resumed = WorkerContext.standalone(
+        0,
+        1,
+        str(tmp_path / "b"),
+        every_steps=32,
+        resume_path=str(tmp_path / "a" / "step_0000000064"),
+    )
     run_with_context(custom_train_loop.train_loop, spec.train_config(), resumed)
     steps = [d["step"] for k, d in resumed.local_events if k == "metrics"]
     assert steps[0] == 65 and steps[-1] == 128

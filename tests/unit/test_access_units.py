@@ -35,7 +35,11 @@ def test_a_user_sees_only_their_own_jobs_and_an_admin_all() -> None:
 def test_ray_is_given_its_token_only_when_one_is_configured() -> None:
     assert ray_auth_env("s3cret", None) == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "s3cret"}
     assert ray_auth_env(None, "/var/run/ray/token") == {
-        "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/var/run/ray/token"}
-    assert ray_auth_env("s3cret", "/ignored") == {"RAY_AUTH_MODE": "token",
-                                                   "RAY_AUTH_TOKEN": "s3cret"}
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": "/var/run/ray/token",
+    }
+    assert ray_auth_env("s3cret", "/ignored") == {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": "s3cret",
+    }
     assert ray_auth_env(None, None) == {}

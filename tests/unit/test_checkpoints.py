@@ -9,6 +9,7 @@ from elastic.checkpoints import CheckpointDir, CorruptCheckpoint, steps_to_delet
 def write(payload: bytes):
     def _write(d: Path) -> None:
         (d / "state.pt").write_bytes(payload)
+
     return _write
 
 
@@ -46,7 +47,8 @@ def test_corrupt_newest_is_skipped_for_the_previous(tmp_path: Path) -> None:
     good, skipped = ckpts.latest_valid()
     assert good is not None and good.step == 10
     assert [(s.step, why) for s, why in skipped] == [
-        (20, "step_0000000020: state.pt fails its checksum")]
+        (20, "step_0000000020: state.pt fails its checksum")
+    ]
 
 
 def test_a_missing_manifest_is_not_a_checkpoint(tmp_path: Path) -> None:

@@ -44,8 +44,9 @@ def test_the_dashboard_stays_out_of_the_schema_and_shadows_nothing(client: TestC
     assert client.get("/v1/cluster").status_code == 401
 
 
-def test_without_npm_ci_the_page_says_what_to_run(client: TestClient, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_npm_ci_the_page_says_what_to_run(
+    client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(dashboard.VENDOR, "uplot", tmp_path / "node_modules" / "uplot" / "dist")
     page = client.get("/")
     assert page.status_code == 503

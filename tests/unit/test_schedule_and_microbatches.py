@@ -23,8 +23,9 @@ def test_micro_batches_split_a_share_into_full_size_pieces() -> None:
 
 
 def test_the_run_stops_at_the_first_of_epochs_and_steps() -> None:
-    settings = LoopSettings(global_batch_size=63, seed=0, max_steps=None, epochs=2,
-                            report_every_steps=1)
+    settings = LoopSettings(
+        global_batch_size=63, seed=0, max_steps=None, epochs=2, report_every_steps=1
+    )
     assert total_steps(settings, 1000) == 32
     settings.max_steps = 20
     assert total_steps(settings, 1000) == 20

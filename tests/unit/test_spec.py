@@ -44,41 +44,92 @@ def test_gpus_mean_nccl() -> None:
 @pytest.mark.parametrize(
     "patch,expected",
     [
-        ({"scaling.min_workers": 3}, [("scaling.min_workers",
-                                       "min_workers (3) must not exceed max_workers (2)")]),
-        ({"workload": "nope"}, [("workload", "unknown workload 'nope': use one of "
-                                 "image-classification, text-classification or a "
-                                 "'package.module:function' entrypoint")]),
-        ({"workload": "os:system; rm -rf /"}, [("workload", "unknown workload "
-                                                "'os:system; rm -rf /': use one of "
-                                                "image-classification, text-classification "
-                                                "or a 'package.module:function' "
-                                                "entrypoint")]),
-        ({"hyperparameters.learning_rate": -0.1},
-         [("hyperparameters.learning_rate", "Input should be greater than 0")]),
-        ({"hyperparameters.max_steps": ...},
-         [("hyperparameters.max_steps",
-           "give epochs or max_steps (or both: the run stops at the first)")]),
-        ({"hyperparameters.dataset": "imagefolder"},
-         [("hyperparameters.data_path", "data_path is required for dataset 'imagefolder'")]),
-        ({"hyperparameters.model": "gpt5"},
-         [("hyperparameters.model", "Input should be 'resnet18', 'resnet34', 'resnet50', "
-           "'mobilenet_v3_small', 'efficientnet_b0' or 'small_cnn'")]),
-        ({"hyperparameters.dataset": "cifar10"},
-         [("hyperparameters.data_path", "data_path is required for dataset 'cifar10'")]),
-        ({"hyperparameters.global_batch_size": 1},
-         [("hyperparameters.global_batch_size",
-           "global_batch_size (1) must be at least max_workers (2) so that every worker "
-           "gets a sample")]),
+        (
+            {"scaling.min_workers": 3},
+            [("scaling.min_workers", "min_workers (3) must not exceed max_workers (2)")],
+        ),
+        (
+            {"workload": "nope"},
+            [
+                (
+                    "workload",
+                    "unknown workload 'nope': use one of "
+                    "image-classification, text-classification or a "
+                    "'package.module:function' entrypoint",
+                )
+            ],
+        ),
+        (
+            {"workload": "os:system; rm -rf /"},
+            [
+                (
+                    "workload",
+                    "unknown workload "
+                    "'os:system; rm -rf /': use one of "
+                    "image-classification, text-classification "
+                    "or a 'package.module:function' "
+                    "entrypoint",
+                )
+            ],
+        ),
+        (
+            {"hyperparameters.learning_rate": -0.1},
+            [("hyperparameters.learning_rate", "Input should be greater than 0")],
+        ),
+        (
+            {"hyperparameters.max_steps": ...},
+            [
+                (
+                    "hyperparameters.max_steps",
+                    "give epochs or max_steps (or both: the run stops at the first)",
+                )
+            ],
+        ),
+        (
+            {"hyperparameters.dataset": "imagefolder"},
+            [("hyperparameters.data_path", "data_path is required for dataset 'imagefolder'")],
+        ),
+        (
+            {"hyperparameters.model": "gpt5"},
+            [
+                (
+                    "hyperparameters.model",
+                    "Input should be 'resnet18', 'resnet34', 'resnet50', "
+                    "'mobilenet_v3_small', 'efficientnet_b0' or 'small_cnn'",
+                )
+            ],
+        ),
+        (
+            {"hyperparameters.dataset": "cifar10"},
+            [("hyperparameters.data_path", "data_path is required for dataset 'cifar10'")],
+        ),
+        (
+            {"hyperparameters.global_batch_size": 1},
+            [
+                (
+                    "hyperparameters.global_batch_size",
+                    "global_batch_size (1) must be at least max_workers (2) so that every worker "
+                    "gets a sample",
+                )
+            ],
+        ),
         ({"hyperparameters.lr": 0.1}, [("hyperparameters.lr", "Extra inputs are not permitted")]),
-        ({"scaling.min_workers": 0},
-         [("scaling.min_workers", "Input should be greater than or equal to 1")]),
-        ({"scaling.gpus_per_worker": -1},
-         [("scaling.gpus_per_worker", "Input should be greater than or equal to 0")]),
-        ({"checkpoint.every_steps": 0},
-         [("checkpoint.every_steps", "Input should be greater than or equal to 1")]),
-        ({"failure": {"max_restarts": -1}},
-         [("failure.max_restarts", "Input should be greater than or equal to 0")]),
+        (
+            {"scaling.min_workers": 0},
+            [("scaling.min_workers", "Input should be greater than or equal to 1")],
+        ),
+        (
+            {"scaling.gpus_per_worker": -1},
+            [("scaling.gpus_per_worker", "Input should be greater than or equal to 0")],
+        ),
+        (
+            {"checkpoint.every_steps": 0},
+            [("checkpoint.every_steps", "Input should be greater than or equal to 1")],
+        ),
+        (
+            {"failure": {"max_restarts": -1}},
+            [("failure.max_restarts", "Input should be greater than or equal to 0")],
+        ),
         ({"name": ""}, [("name", "String should have at least 1 character")]),
         ({"priority": 1}, [("priority", "Extra inputs are not permitted")]),
     ],

@@ -5,12 +5,20 @@ import pytest
 from jobs.state import TRANSITIONS, IllegalTransition, JobState, can_transition, check_transition
 
 LEGAL = {
-    ("queued", "starting"), ("queued", "failed"), ("queued", "cancelled"),
-    ("starting", "running"), ("starting", "recovering"), ("starting", "failed"),
+    ("queued", "starting"),
+    ("queued", "failed"),
+    ("queued", "cancelled"),
+    ("starting", "running"),
+    ("starting", "recovering"),
+    ("starting", "failed"),
     ("starting", "cancelled"),
-    ("running", "recovering"), ("running", "succeeded"), ("running", "failed"),
+    ("running", "recovering"),
+    ("running", "succeeded"),
+    ("running", "failed"),
     ("running", "cancelled"),
-    ("recovering", "running"), ("recovering", "failed"), ("recovering", "cancelled"),
+    ("recovering", "running"),
+    ("recovering", "failed"),
+    ("recovering", "cancelled"),
 }
 
 
@@ -33,7 +41,10 @@ def test_every_pair_is_allowed_or_refused(current: JobState, target: JobState) -
 
 def test_terminal_states_end_everything() -> None:
     assert {s for s in JobState if s.is_terminal} == {
-        JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.CANCELLED,
+    }
     for s in JobState:
         if s.is_terminal:
             assert TRANSITIONS[s] == frozenset()

@@ -24,27 +24,57 @@ def test_a_new_job_is_queued_with_its_first_event(store: Store) -> None:
 def test_events_fold_into_the_summary(store: Store) -> None:
     job = store.create_job("demo", "admin", "image-classification", small_job())
     now = time.time()
-    store.append_events(job.id, [
-        state_event(2, "starting", world_size=2),
-        {"seq": 3, "kind": "attempt_started", "time": now, "data": {"world_size": 2}},
-        state_event(4, "running", world_size=2),
-        {"seq": 5, "kind": "metrics", "time": now,
-         "data": {"step": 10, "loss": 1.5, "samples_per_s": 900.0, "world_size": 2,
-                  "total_steps": 50}},
-        {"seq": 6, "kind": "checkpoint_saved", "time": now,
-         "data": {"step": 10, "path": "/c/step_10", "size_bytes": 123, "created_at": now}},
-        {"seq": 7, "kind": "checkpoint_saved", "time": now,
-         "data": {"step": 20, "path": "/c/step_20", "size_bytes": 124, "created_at": now}},
-        {"seq": 8, "kind": "checkpoint_removed", "time": now,
-         "data": {"step": 10, "path": "/c/step_10"}},
-    ])
+    store.append_events(
+        job.id,
+        [
+            state_event(2, "starting", world_size=2),
+            {"seq": 3, "kind": "attempt_started", "time": now, "data": {"world_size": 2}},
+            state_event(4, "running", world_size=2),
+            {
+                "seq": 5,
+                "kind": "metrics",
+                "time": now,
+                "data": {
+                    "step": 10,
+                    "loss": 1.5,
+                    "samples_per_s": 900.0,
+                    "world_size": 2,
+                    "total_steps": 50,
+                },
+            },
+            {
+                "seq": 6,
+                "kind": "checkpoint_saved",
+                "time": now,
+                "data": {"step": 10, "path": "/c/step_10", "size_bytes": 123, "created_at": now},
+            },
+            {
+                "seq": 7,
+                "kind": "checkpoint_saved",
+                "time": now,
+                "data": {"step": 20, "path": "/c/step_20", "size_bytes": 124, "created_at": now},
+            },
+            {
+                "seq": 8,
+                "kind": "checkpoint_removed",
+                "time": now,
+                "data": {"step": 10, "path": "/c/step_10"},
+            },
+        ],
+    )
     row = store.get_job(job.id)
     assert row is not None
     assert (row.state, row.world_size, row.step, row.last_loss, row.total_steps) == (
-        "running", 2, 10, 1.5, 50)
+        "running",
+        2,
+        10,
+        1.5,
+        50,
+    )
     assert row.started_at is not None and row.last_seq == 8
     assert [(c.step, c.path, c.size_bytes) for c in store.checkpoints(job.id)] == [
-        (20, "/c/step_20", 124)]
+        (20, "/c/step_20", 124)
+    ]
     store.append_events(job.id, [state_event(9, "succeeded")])
     row = store.get_job(job.id)
     assert row is not None and row.state == "succeeded" and row.finished_at is not None

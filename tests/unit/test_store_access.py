@@ -24,7 +24,10 @@ def test_a_token_is_shown_once_and_kept_only_as_a_hash(store: Store) -> None:
     assert stored == [hash_secret(secret)]
     found = store.authenticate(secret)
     assert found is not None and (found[0].name, found[0].role, found[1].id) == (
-        "ada", "user", row.id)
+        "ada",
+        "user",
+        row.id,
+    )
     assert store.authenticate(secret + "x") is None
 
 
@@ -37,7 +40,9 @@ def test_a_revoked_token_no_longer_authenticates(store: Store) -> None:
     assert store.authenticate(gone_secret) is None
     assert store.authenticate(keep_secret) is not None
     assert [(t.id, t.revoked_at is None) for t in store.tokens("bob")] == [
-        (keep.id, True), (gone.id, False)]
+        (keep.id, True),
+        (gone.id, False),
+    ]
     assert store.revoke_token("tok-nope") is None
 
 
@@ -74,39 +79,48 @@ def test_a_reservation_abandoned_by_a_dead_process_is_taken_over(store: Store) -
     assert held is not None and held.fingerprint == "f2"
 
 
-def test_a_database_newer_than_the_service_is_refused(store_backend: str,
-                                                      tmp_path: Path) -> None:
+def test_a_database_newer_than_the_service_is_refused(store_backend: str, tmp_path: Path) -> None:
     with database_url(store_backend, tmp_path) as url:
         Store(url).close()
         engine = create_engine(url)
         with engine.begin() as conn:
             conn.execute(text("UPDATE alembic_version SET version_num = '9999_from_the_future'"))
         engine.dispose()
-        with pytest.raises(SchemaTooNew, match=r"schema revision '9999_from_the_future', "
-                           r"newer than this elastic-train knows \(its newest is '0002'\)"):
+        with pytest.raises(
+            SchemaTooNew,
+            match=r"schema revision '9999_from_the_future', "
+            r"newer than this elastic-train knows \(its newest is '0002'\)",
+        ):
             Store(url)
 
 
-def test_a_walking_skeleton_database_is_migrated_in_place(store_backend: str,
-                                                          tmp_path: Path) -> None:
+def test_a_walking_skeleton_database_is_migrated_in_place(
+    store_backend: str, tmp_path: Path
+) -> None:
     with database_url(store_backend, tmp_path) as url:
         engine = create_engine(url)
-        old_tables = [Base.metadata.tables[t] for t in ("jobs", "job_events", "metrics",
-                                                          "checkpoints")]
+        old_tables = [
+            Base.metadata.tables[t] for t in ("jobs", "job_events", "metrics", "checkpoints")
+        ]
         Base.metadata.create_all(engine, tables=old_tables)  # what create_all made before
         with engine.begin() as conn:
-            conn.execute(text(
-                "INSERT INTO jobs (id, name, owner, workload, spec, state, world_size, step, "
-                "restarts, last_seq, created_at, updated_at) VALUES ('job-old', 'old', "
-                "'admin', 'image-classification', '{}', 'queued', 0, 0, 0, 1, "
-                "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, name, owner, workload, spec, state, world_size, step, "
+                    "restarts, last_seq, created_at, updated_at) VALUES ('job-old', 'old', "
+                    "'admin', 'image-classification', '{}', 'queued', 0, 0, 0, 1, "
+                    "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
         store = Store(url)
         try:
             assert {"users", "api_tokens", "idempotency_keys", "alembic_version"} <= set(
-                inspect(engine).get_table_names())
+                inspect(engine).get_table_names()
+            )
             with engine.connect() as conn:
-                assert conn.execute(text("SELECT version_num FROM alembic_version")
-                                    ).scalar() == "0002"
+                assert (
+                    conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0002"
+                )
             old = store.get_job("job-old")
             assert old is not None and old.name == "old"
         finally:

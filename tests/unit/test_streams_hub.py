@@ -11,6 +11,7 @@ def test_a_reader_lagging_past_the_limit_is_cut_off_and_others_are_not() -> None
     async def scenario() -> None:
         hub = Hub(buffer=3)
         fast, slow = hub.subscribe("j"), hub.subscribe("j")
+
         def event(seq: int) -> dict:
             return {"seq": seq, "kind": "metrics", "time": 0.0, "data": {"step": seq}}
 

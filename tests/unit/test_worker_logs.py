@@ -17,8 +17,7 @@ def test_a_flood_drops_the_oldest_and_says_so() -> None:
     buf = LineBuffer(max_pending=3)
     for i in range(5):
         buf.write("stdout", f"{i}\n")
-    assert [t for _, _, t in buf.take()] == [
-        "[elastic-train: 2 log lines dropped]", "2", "3", "4"]
+    assert [t for _, _, t in buf.take()] == ["[elastic-train: 2 log lines dropped]", "2", "3", "4"]
 
 
 def test_forward_output_tees_and_restores(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -27,8 +26,10 @@ def test_forward_output_tees_and_restores(capsys) -> None:  # type: ignore[no-un
         print("to the job log")
         print("and to stderr", file=sys.stderr)
     print("after: not forwarded")
-    assert [(s, t) for _, s, t in sent] == [("stdout", "to the job log"),
-                                            ("stderr", "and to stderr")]
+    assert [(s, t) for _, s, t in sent] == [
+        ("stdout", "to the job log"),
+        ("stderr", "and to stderr"),
+    ]
     out = capsys.readouterr()
     assert out.out == "to the job log\nafter: not forwarded\n"
     assert out.err == "and to stderr\n"

@@ -34,11 +34,16 @@ def test_the_tokenizer_ranks_by_count_then_name_and_pads() -> None:
 
 def test_a_vocab_file_and_held_out_split(tmp_path: Path) -> None:
     (tmp_path / "vocab.txt").write_text("good\nbad\n")
-    (tmp_path / "d.csv").write_text("text,label\n" + "".join(
-        f"{'good' if i % 2 else 'bad'} day,{i % 2}\n" for i in range(20)))
-    hp = TextClassificationHyperparameters(data_path=str(tmp_path / "d.csv"), max_steps=1,
-                                           vocab_path=str(tmp_path / "vocab.txt"),
-                                           eval_fraction=0.25, max_length=4)
+    (tmp_path / "d.csv").write_text(
+        "text,label\n" + "".join(f"{'good' if i % 2 else 'bad'} day,{i % 2}\n" for i in range(20))
+    )
+    hp = TextClassificationHyperparameters(
+        data_path=str(tmp_path / "d.csv"),
+        max_steps=1,
+        vocab_path=str(tmp_path / "vocab.txt"),
+        eval_fraction=0.25,
+        max_length=4,
+    )
     train, held_out, tok, labels = build_data(hp)
     assert tok.vocab == ["[PAD]", "[UNK]", "[CLS]", "good", "bad"]
     assert labels == {"0": 0, "1": 1}
@@ -55,13 +60,15 @@ def test_a_text_file_without_its_columns_is_refused(tmp_path: Path) -> None:
         read_examples(str(tmp_path / "d.csv"))
 
 
-@pytest.mark.parametrize("fields,field,message", [
-    ({"width": 30, "heads": 4}, "heads", "width (30) must be a multiple of heads (4)"),
-    ({"data_path": "d.txt"}, "data_path", "use a .csv or .jsonl file"),
-    ({"max_steps": None}, "max_steps", "give epochs or max_steps"),
-])
-def test_text_hyperparameters_name_the_bad_field(fields: dict, field: str,
-                                                 message: str) -> None:
+@pytest.mark.parametrize(
+    "fields,field,message",
+    [
+        ({"width": 30, "heads": 4}, "heads", "width (30) must be a multiple of heads (4)"),
+        ({"data_path": "d.txt"}, "data_path", "use a .csv or .jsonl file"),
+        ({"max_steps": None}, "max_steps", "give epochs or max_steps"),
+    ],
+)
+def test_text_hyperparameters_name_the_bad_field(fields: dict, field: str, message: str) -> None:
     with pytest.raises(ValidationError) as err:
         TextClassificationHyperparameters(**{"data_path": "d.csv", "max_steps": 5, **fields})
     (e,) = err.value.errors()
@@ -71,15 +78,18 @@ def test_text_hyperparameters_name_the_bad_field(fields: dict, field: str,
 def write_cifar(root: Path, per_batch: int) -> None:
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
-                 b"labels": [int(x) for x in rng.integers(0, 10, per_batch)]}
+        batch = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": [int(x) for x in rng.integers(0, 10, per_batch)],
+        }
         (root / name).write_bytes(pickle.dumps(batch))
 
 
 def test_cifar10_batches_are_read_from_a_directory(tmp_path: Path) -> None:
     write_cifar(tmp_path, 4)
-    hp = ImageClassificationHyperparameters(dataset="cifar10", data_path=str(tmp_path),
-                                            max_steps=1, image_size=32)
+    hp = ImageClassificationHyperparameters(
+        dataset="cifar10", data_path=str(tmp_path), max_steps=1, image_size=32
+    )
     train, held_out = build_datasets(hp)
     assert (len(train), len(held_out)) == (20, 4)  # type: ignore[arg-type]
     image, label = train[3]
@@ -99,8 +109,9 @@ def test_models_by_name_classify_into_num_classes(name: str) -> None:
 
 
 def test_synthetic_held_out_samples_are_new_ones() -> None:
-    hp = ImageClassificationHyperparameters(dataset="synthetic", synthetic_samples=10,
-                                            synthetic_eval_samples=5, max_steps=1)
+    hp = ImageClassificationHyperparameters(
+        dataset="synthetic", synthetic_samples=10, synthetic_eval_samples=5, max_steps=1
+    )
     train, held_out = build_datasets(hp)
     assert held_out is not None and len(held_out) == 5  # type: ignore[arg-type]
     assert not torch.equal(train[0][0], held_out[0][0])

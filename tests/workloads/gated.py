@@ -23,9 +23,14 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
     criterion = nn.CrossEntropyLoss(reduction="none")
     model = ctx.prepare_model(build_model(hp))
     ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=hp.learning_rate))
-    for batch in ctx.batches(train, hp.global_batch_size, epochs=hp.epochs,
-                             max_steps=hp.max_steps, seed=hp.seed,
-                             report_every_steps=hp.report_every_steps):
+    for batch in ctx.batches(
+        train,
+        hp.global_batch_size,
+        epochs=hp.epochs,
+        max_steps=hp.max_steps,
+        seed=hp.seed,
+        report_every_steps=hp.report_every_steps,
+    ):
         # Step `hold_at` is trained and reported; the one after it waits for the gate.
         while batch.step > hold_at and not os.path.exists(gate):
             time.sleep(0.2)

@@ -10,8 +10,27 @@ from pathlib import Path
 
 POSITIVE = ["great", "excellent", "loved", "wonderful", "superb", "delightful", "fine"]
 NEGATIVE = ["awful", "terrible", "hated", "boring", "dreadful", "poor", "broken"]
-FILLER = ["the", "movie", "was", "a", "plot", "and", "actors", "it", "really", "film",
-          "story", "of", "this", "with", "music", "ending", "i", "overall", "quite"]
+FILLER = [
+    "the",
+    "movie",
+    "was",
+    "a",
+    "plot",
+    "and",
+    "actors",
+    "it",
+    "really",
+    "film",
+    "story",
+    "of",
+    "this",
+    "with",
+    "music",
+    "ending",
+    "i",
+    "overall",
+    "quite",
+]
 
 
 def reviews(n: int, seed: int) -> list[tuple[str, str]]:

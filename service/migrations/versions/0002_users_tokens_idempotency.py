@@ -25,8 +25,7 @@ def upgrade() -> None:
     op.create_table(
         "api_tokens",
         sa.Column("id", sa.String(40), primary_key=True),
-        sa.Column("user", sa.String(64), sa.ForeignKey("users.name"), nullable=False,
-                  index=True),
+        sa.Column("user", sa.String(64), sa.ForeignKey("users.name"), nullable=False, index=True),
         sa.Column("label", sa.String(128), nullable=False),
         sa.Column("secret_hash", sa.String(64), nullable=False, unique=True),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
