@@ -132,13 +132,15 @@ class AttemptRunner:
 
     def fit(self, plan: dict[str, Any], world_size: int, config: dict[str, Any]) -> AttemptOutcome:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
+        from ray.train.torch import TorchTrainer
+
+        from elastic.process_group import NodeBoundTorchConfig
 
         resources = plan["resources_per_worker"]
         trainer = TorchTrainer(
             run_train_loop,
             train_loop_config=config,
-            torch_config=TorchConfig(
+            torch_config=NodeBoundTorchConfig(
                 backend=plan["backend"], timeout_s=plan["collective_timeout_s"]
             ),
             scaling_config=ScalingConfig(

@@ -99,7 +99,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise Problem(503, "Not ready", "not connected to Ray yet")
         return JSONResponse({"status": "ready"})
 
-    dashboard.install(app)  # last: its / and /ui routes must not shadow the ones above
+    dashboard.install(
+        app, settings.dashboard_dir
+    )  # last: its / and /ui routes must not shadow the ones above
     return app
 
 

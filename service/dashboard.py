@@ -1,11 +1,15 @@
-"""The web dashboard: the static app under dashboards/app at /, and the chart library that
-npm installed under dashboards/node_modules. No token here: these are static files, and the
-data they show comes from the token-protected API."""
+"""The web dashboard: the static app under <dashboard dir>/app at /, and the chart library
+that npm installed under <dashboard dir>/node_modules. No token here: these are static files,
+and the data they show comes from the token-protected API.
+
+The dashboard dir is ``ETRAIN_DASHBOARD_DIR`` (the container image copies the app and its
+npm packages there) or, unset, ``dashboards/`` beside the source tree (a checkout)."""
 
 from __future__ import annotations
 
 import html
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -14,10 +18,8 @@ from fastapi.staticfiles import StaticFiles
 
 log = logging.getLogger(__name__)
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "dashboards"
-APP_DIR = DASHBOARD_DIR / "app"
-# The one file of each npm package that the app loads.
-VENDOR = {"uplot": DASHBOARD_DIR / "node_modules" / "uplot" / "dist"}
+SOURCE_TREE_DIR = Path(__file__).resolve().parent.parent / "dashboards"
+# The files of each npm package that the app loads, under node_modules/<package>/dist.
 VENDOR_FILES = ("uplot/uPlot.esm.js", "uplot/uPlot.min.css")
 
 # The app loads only its own files and talks only to this service.
@@ -30,55 +32,84 @@ HEADERS = {
 }
 
 
-def missing_dependencies() -> list[str]:
-    """The library files the app needs that are not installed."""
-    return [
-        name
-        for name in VENDOR_FILES
-        if not (VENDOR[name.split("/")[0]] / name.split("/", 1)[1]).is_file()
-    ]
+@dataclass(frozen=True)
+class DashboardFiles:
+    root: Path
+
+    @property
+    def app(self) -> Path:
+        return self.root / "app"
+
+    def vendor(self, package: str) -> Path:
+        return self.root / "node_modules" / package / "dist"
+
+    @property
+    def packages(self) -> list[str]:
+        return sorted({name.split("/")[0] for name in VENDOR_FILES})
+
+    def missing(self) -> list[str]:
+        """What the app needs and this directory lacks: its index page or a library file."""
+        needed = [] if (self.app / "index.html").is_file() else ["app/index.html"]
+        for name in VENDOR_FILES:
+            package, file = name.split("/", 1)
+            if not (self.vendor(package) / file).is_file():
+                needed.append(f"node_modules/{package}/dist/{file}")
+        return needed
 
 
-def _not_installed_page(missing: list[str]) -> HTMLResponse:
+def files_for(directory: Path | None) -> DashboardFiles:
+    return DashboardFiles((directory or SOURCE_TREE_DIR).resolve())
+
+
+def missing_dependencies(directory: Path | None = None) -> list[str]:
+    return files_for(directory).missing()
+
+
+def _not_installed_page(files: DashboardFiles, missing: list[str]) -> HTMLResponse:
     items = "".join(f"<li><code>{html.escape(m)}</code></li>" for m in missing)
     body = (
         "<!doctype html><html lang=en><meta charset=utf-8>"
         "<title>elastic-train: dashboard not installed</title>"
         "<body style='font-family:system-ui,sans-serif;max-width:40rem;margin:3rem auto'>"
-        "<h1>The dashboard's JavaScript dependencies are not installed</h1>"
-        f"<p>Missing under <code>{html.escape(str(DASHBOARD_DIR / 'node_modules'))}</code>:</p>"
+        "<h1>The dashboard's files are not installed</h1>"
+        f"<p>Missing under <code>{html.escape(str(files.root))}</code>:</p>"
         f"<ul>{items}</ul>"
-        "<p>Install them with <code>npm ci</code> in <code>dashboards/</code> "
-        "(<code>make run</code> does it; it needs Node.js and npm). "
+        "<p>In a checkout, run <code>npm ci</code> in <code>dashboards/</code> "
+        "(<code>make run</code> does it; it needs Node.js and npm). Elsewhere, set "
+        "<code>ETRAIN_DASHBOARD_DIR</code> to a directory holding the dashboard's "
+        "<code>app/</code> and the <code>node_modules/</code> that <code>npm ci</code> "
+        "installs (the container image does). "
         "The API works without them: <a href='/docs'>/docs</a>.</p></body></html>"
     )
     return HTMLResponse(body, status_code=503, headers=HEADERS)
 
 
-def install(app: FastAPI) -> None:
-    missing = missing_dependencies()
+def install(app: FastAPI, directory: Path | None = None) -> None:
+    files = files_for(directory)
+    missing = files.missing()
     if missing:
         log.warning(
-            "the dashboard at / cannot work: %s not installed; run `npm ci` in %s",
+            "the dashboard at / cannot work: %s missing under %s (run `npm ci` in "
+            "dashboards/, or set ETRAIN_DASHBOARD_DIR)",
             ", ".join(missing),
-            DASHBOARD_DIR,
+            files.root,
         )
 
     @app.get("/", include_in_schema=False)
     def index() -> Response:
-        still_missing = missing_dependencies()
+        still_missing = files.missing()
         if still_missing:
-            return _not_installed_page(still_missing)
+            return _not_installed_page(files, still_missing)
         return FileResponse(
-            APP_DIR / "index.html", headers={**HEADERS, "Cache-Control": "no-cache"}
+            files.app / "index.html", headers={**HEADERS, "Cache-Control": "no-cache"}
         )
 
-    # Mounts stay out of the OpenAPI schema. The vendor mount comes first: /ui would
-    # otherwise swallow its paths.
-    for name, directory in VENDOR.items():
+    # Mounts stay out of the OpenAPI schema. The vendor mounts come first: /ui would
+    # otherwise swallow their paths.
+    for package in files.packages:
         app.mount(
-            f"/ui/vendor/{name}",
-            StaticFiles(directory=directory, check_dir=False),
-            name=f"dashboard-vendor-{name}",
+            f"/ui/vendor/{package}",
+            StaticFiles(directory=files.vendor(package), check_dir=False),
+            name=f"dashboard-vendor-{package}",
         )
-    app.mount("/ui", StaticFiles(directory=APP_DIR), name="dashboard")
+    app.mount("/ui", StaticFiles(directory=files.app, check_dir=False), name="dashboard")

@@ -98,6 +98,12 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="Events a live stream may fall behind before it is told to reconnect.",
     )
+    dashboard_dir: Path | None = Field(
+        None,
+        description="Directory holding the web dashboard: its app/ and the node_modules/ "
+        "that `npm ci` installs from dashboards/package-lock.json. Unset: dashboards/ "
+        "beside the source tree (a checkout after `make run`). The container image sets it.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the service."
     )

@@ -84,6 +84,9 @@ def exec_form(args: str) -> list[str]:
 def test_every_copied_path_exists_in_the_build_context() -> None:
     sources = context_sources()
     assert sources == [
+        "dashboards/package.json",
+        "dashboards/package-lock.json",
+        "dashboards/app",
         "constraints.txt",
         "pyproject.toml",
         "README.md",
@@ -165,4 +168,9 @@ def test_image_environment_names_real_settings() -> None:
         n.removeprefix("ETRAIN_").lower(): v for n, v in env.items() if n.startswith("ETRAIN_")
     }
     assert set(etrain) <= set(Settings.model_fields)
-    assert etrain == {"host": "0.0.0.0", "port": "8000", "data_dir": "/var/lib/etrain"}
+    assert etrain == {
+        "host": "0.0.0.0",
+        "port": "8000",
+        "data_dir": "/var/lib/etrain",
+        "dashboard_dir": "/opt/etrain/dashboards",
+    }

@@ -44,11 +44,37 @@ def test_the_dashboard_stays_out_of_the_schema_and_shadows_nothing(client: TestC
     assert client.get("/v1/cluster").status_code == 401
 
 
-def test_without_npm_ci_the_page_says_what_to_run(
-    client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(dashboard.VENDOR, "uplot", tmp_path / "node_modules" / "uplot" / "dist")
+def test_without_npm_ci_the_page_says_what_to_run(tmp_path: Path) -> None:
+    """A directory with the app but without the npm packages: / says what is missing and
+    how to install it, and the API still answers."""
+    import shutil
+
+    shutil.copytree(dashboard.SOURCE_TREE_DIR / "app", tmp_path / "dash" / "app")
+    settings = make_settings(tmp_path / "data", dashboard_dir=tmp_path / "dash")
+    client = TestClient(create_app(settings))
     page = client.get("/")
     assert page.status_code == 503
     assert "<code>npm ci</code> in <code>dashboards/</code>" in page.text
-    assert "uplot/uPlot.esm.js" in page.text
+    assert "ETRAIN_DASHBOARD_DIR" in page.text
+    assert "node_modules/uplot/dist/uPlot.esm.js" in page.text
+    assert client.get("/healthz").status_code == 200
+
+
+def test_a_configured_dashboard_dir_is_served(tmp_path: Path) -> None:
+    """ETRAIN_DASHBOARD_DIR (the image's layout): the app and its library come from there,
+    not from the source tree."""
+    import shutil
+
+    root = tmp_path / "dash"
+    shutil.copytree(dashboard.SOURCE_TREE_DIR / "app", root / "app")
+    shutil.copytree(
+        dashboard.SOURCE_TREE_DIR / "node_modules" / "uplot" / "dist",
+        root / "node_modules" / "uplot" / "dist",
+    )
+    (root / "app" / "index.html").write_text(
+        (root / "app" / "index.html").read_text().replace("<title>", "<title>copied ")
+    )
+    client = TestClient(create_app(make_settings(tmp_path / "data", dashboard_dir=root)))
+    page = client.get("/")
+    assert page.status_code == 200 and "<title>copied " in page.text
+    assert client.get("/ui/vendor/uplot/uPlot.min.css").status_code == 200

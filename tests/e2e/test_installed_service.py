@@ -1,0 +1,279 @@
+"""The service as the container image installs it and as `make run` starts it.
+
+The project is built from exactly the paths helm/Dockerfile copies into its build stage and
+installed (not editable) into a fresh virtual environment; the dashboard directory is laid
+out the way the Dockerfile's node stage makes it (its `npm ci` run for real) and handed to
+the service with the ETRAIN_DASHBOARD_DIR the image sets. `etrain serve` then starts on the
+embedded default (no ETRAIN_RAY_ADDRESS: a local Ray instance and SQLite), from a directory
+that holds no source, and must serve the dashboard, run the README's job to `succeeded`, and
+keep every socket of its process tree, Ray's included, on loopback.
+
+The fresh environment gets its third-party packages (torch, Ray, ...) from this test run's
+own environment through a path file, so nothing is downloaded; the project itself is the
+only thing installed there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import TOKEN, free_port, small_job, wait_for
+from tests.e2e.test_image_recipe import ROOT, copy_sources, stages
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def _stage(name: str) -> list[tuple[str, str]]:
+    for stage in stages():
+        word, rest = stage[0]
+        assert word == "FROM"
+        if rest.split()[-1] == name and " AS " in f" {rest.upper()} ":
+            return stage
+    raise AssertionError(f"helm/Dockerfile has no stage named {name}")
+
+
+def _lay_out(stage: list[tuple[str, str]], context: Path, workdir: Path) -> None:
+    """Carry out a stage's COPY instructions from the build context into ``workdir``, and its
+    `npm ci` as it is written."""
+    for word, rest in stage:
+        if word == "COPY":
+            sources = copy_sources(rest)
+            assert sources is not None, "this stage copies only from the build context"
+            dest = shlex.split(rest)[-1]
+            for source in sources:
+                src = context / source
+                if dest in (".", "./") or dest.endswith("/"):
+                    target = workdir / dest / Path(source).name
+                else:
+                    target = workdir / dest
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if src.is_dir():
+                    shutil.copytree(src, target)
+                else:
+                    shutil.copy2(src, target)
+        elif word == "RUN" and rest.startswith("npm "):
+            subprocess.run(shlex.split(rest), cwd=workdir, check=True, capture_output=True)
+
+
+def _image_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for word, rest in stages()[-1]:
+        if word == "ENV":
+            for item in shlex.split(rest):
+                name, _, value = item.partition("=")
+                env[name] = value
+    return env
+
+
+def _listening_addresses(root_pid: int) -> set[str]:
+    """host:port of every listening TCP socket held by ``root_pid`` or its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = set(), [root_pid]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo.extend(children.get(pid, []))
+    inodes: set[str] = set()
+    for pid in tree:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found: set[str] = set()
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_ip, hex_port = fields[1].split(":")
+            assert len(hex_ip) == width
+            raw = bytes.fromhex(hex_ip)
+            if width == 8:
+                host = ".".join(str(b) for b in reversed(raw))
+            else:  # four little-endian 32-bit words
+                words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]
+                host = b"".join(words).hex()
+            found.add(f"{host}:{int(hex_port, 16)}")
+    return found
+
+
+LOOPBACK = ("127.", "0000000000000000000000000000000" + "1", "00000000000000000000ffff7f")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding the project as the image's build stage installs it."""
+    base = tmp_path_factory.mktemp("image")
+    context = base / "build-context"
+    context.mkdir()
+    build = _stage("build")
+    for word, rest in build:
+        if word == "COPY":
+            for source in copy_sources(rest) or []:
+                src = ROOT / source
+                if src.is_dir():
+                    shutil.copytree(
+                        src, context / source, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                    )
+                else:
+                    shutil.copy2(src, context / source)
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    # Third-party packages from this run's environment; not its .pth files (which would put
+    # the editable checkout back on the path).
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            str(context),
+        ],
+        check=True,
+        cwd=base,
+    )
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import service, elastic; print(service.__file__)"],
+        cwd=base,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert where.startswith(str(site)), f"service imported from {where}, not the install"
+    # The dashboard stage, then where the final stage copies it.
+    stage_dir = base / "dashboard-stage"
+    stage_dir.mkdir()
+    _lay_out(_stage("dashboard"), ROOT, stage_dir)
+    dashboard_dir = base / "opt-etrain-dashboards"
+    shutil.copytree(stage_dir, dashboard_dir)
+    (base / "dashboard-dir").write_text(str(dashboard_dir))
+    return base
+
+
+@pytest.fixture(scope="module")
+def service(installed: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    image_env = _image_env()
+    assert image_env["ETRAIN_DASHBOARD_DIR"] == "/opt/etrain/dashboards"
+    port = free_port()
+    data = installed / "data"
+    data.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
+    env.update(
+        {
+            "ETRAIN_PORT": str(port),
+            "ETRAIN_DATA_DIR": str(data),
+            "ETRAIN_API_TOKEN": TOKEN,
+            "ETRAIN_DASHBOARD_DIR": (installed / "dashboard-dir").read_text(),
+            "ETRAIN_RAY_NUM_CPUS": "2",
+            "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+            "ETRAIN_LOG_LEVEL": "warning",
+        }
+    )
+    log = open(installed / "serve.log", "wb")  # noqa: SIM115 - closed in the teardown
+    proc = subprocess.Popen(
+        [str(installed / "venv" / "bin" / "etrain"), "serve"],
+        cwd=installed,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, (installed / "serve.log").read_text()[-3000:]
+        try:
+            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(ready, timeout=180, interval=0.5, what="etrain serve to be ready")
+        yield url, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def test_the_installed_service_serves_the_dashboard(
+    service: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, _ = service
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200, page.text[:500]
+    assert '<script type="module" src="ui/js/main.js">' in page.text
+    assert httpx.get(f"{url}/ui/js/main.js").status_code == 200
+    library = httpx.get(f"{url}/ui/vendor/uplot/uPlot.esm.js")
+    assert library.status_code == 200 and "export" in library.text
+    assert httpx.get(f"{url}/ui/vendor/uplot/uPlot.min.css").status_code == 200
+
+
+def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
+    service: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, proc = service
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index('{"name": "demo"')
+    spec = json.loads(readme[start : readme.index("```", start)])
+    assert spec == small_job()
+    r = api.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    try:
+        deadline = time.monotonic() + 240
+        seen: set[str] = set()
+        while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL:
+            # While the job trains, its workers are in the process tree too.
+            seen |= _listening_addresses(proc.pid)
+            assert time.monotonic() < deadline, job
+            time.sleep(1)
+        assert job["state"] == "succeeded", job
+        assert job["step"] == 50
+    finally:
+        if api.get(f"/v1/jobs/{job_id}").json()["state"] not in TERMINAL:
+            api.post(f"/v1/jobs/{job_id}/cancel")
+    seen |= _listening_addresses(proc.pid)
+    assert seen, "found no listening sockets at all: the check would prove nothing"
+    exposed = sorted(a for a in seen if not a.startswith(LOOPBACK))
+    assert exposed == [], f"listening beyond loopback: {exposed}"
