@@ -143,6 +143,23 @@ class JobSpec(BaseModel):
             return self.scaling.backend
         return self.distributed.backend
 
+    def data_paths(self) -> list[tuple[str, str]]:
+        """(``hyperparameters.<field>``, path) of every file or directory the job reads."""
+        workload = WORKLOADS.get(self.workload)
+        fields = workload.path_fields if workload else ()
+        return [
+            (f"hyperparameters.{name}", str(self.hyperparameters[name]))
+            for name in fields
+            if self.hyperparameters.get(name) is not None
+        ]
+
+    def with_data_paths(self, paths: dict[str, str]) -> JobSpec:
+        """This spec with the given ``hyperparameters.<field>`` paths replaced."""
+        hyper = dict(self.hyperparameters)
+        for field, path in paths.items():
+            hyper[field.removeprefix("hyperparameters.")] = path
+        return self.model_copy(update={"hyperparameters": hyper})
+
     def train_config(self) -> dict[str, Any]:
         """What every worker's ``train_loop(config, ctx)`` receives."""
         return {

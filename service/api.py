@@ -26,7 +26,6 @@ from service.schemas import (
     LogPage,
     Me,
     MetricSeries,
-    downsample,
 )
 from service.store import Store
 
@@ -250,12 +249,8 @@ def get_metrics(
     _job(store, job_id, caller)
     if every is not None and points is not None:
         raise Problem(400, "Invalid request", "every, points: give one of them, not both")
-    columns = store.metrics(job_id)
-    total = len(columns["step"])
-    keep = downsample(total, every=every, points=points)
-    return MetricSeries(
-        total_points=total, columns={k: [v[i] for i in keep] for k, v in columns.items()}
-    )
+    total, columns = store.metrics(job_id, every=every, points=points)
+    return MetricSeries(total_points=total, columns=columns)
 
 
 @router.get(

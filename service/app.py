@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.ray_num_gpus,
             token.get_secret_value() if token else None,
             settings.ray_auth_token_path,
+            settings.worker_env,
         )
         _reclaim_sigterm()
         control = JobControl(settings, app.state.store, app.state.hub)
