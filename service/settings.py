@@ -152,11 +152,19 @@ class Settings(BaseSettings):
         description="Largest request line plus headers; past it the connection gets 400 and "
         "is closed (also for a request that never ends its headers).",
     )
+    header_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a connection may take to send a request's headers; past it, "
+        "the connection is closed.",
+    )
     max_connections: int = Field(
         1000,
         ge=1,
         le=1_000_000,
-        description="Concurrent connections and requests the server serves; past it, 503.",
+        description="Connections the server holds open (more are closed at once) and "
+        "requests it serves at a time (more are answered 503).",
     )
     max_streams_per_token: int = Field(
         32,
