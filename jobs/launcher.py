@@ -51,6 +51,7 @@ def connect(
     auth_token: str | None = None,
     auth_token_path: str | None = None,
     worker_env: Iterable[str] = (),
+    dashboard_port: int = 8265,
 ) -> None:
     """Join ``address`` (with Ray's token authentication when a token is given), or start a
     local Ray instance when it is None, whose processes (and so every job's workers) get
@@ -76,6 +77,7 @@ def connect(
             log_to_driver=False,
             include_dashboard=True,
             dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
             _system_config=FAST_FAILURE_DETECTION,
         )
 

@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             token.get_secret_value() if token else None,
             settings.ray_auth_token_path,
             settings.worker_env,
+            settings.ray_dashboard_port,
         )
         _reclaim_sigterm()
         control = JobControl(settings, app.state.store, app.state.hub)

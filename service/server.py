@@ -30,6 +30,9 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             transport.close()  # connection_lost takes it out of the count
+            return
+        # A connection that says nothing is held to the same time as a slow request head.
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
 
     def data_received(self, data: bytes) -> None:
         # Bytes of a request head (none in progress): it must be complete in time.

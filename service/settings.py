@@ -52,6 +52,13 @@ class Settings(BaseSettings):
     ray_num_gpus: int | None = Field(
         None, ge=0, description="GPUs of the embedded Ray instance. Unset: Ray detects them."
     )
+    ray_dashboard_port: int = Field(
+        8265,
+        ge=1,
+        le=65535,
+        description="Loopback port of the embedded Ray instance's dashboard (two services "
+        "on one machine need two).",
+    )
     checkpoint_dir: str | None = Field(
         None,
         description="Directory where jobs write checkpoints; it must be reachable from every "
