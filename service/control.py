@@ -174,7 +174,7 @@ class JobControl:
                 jobs = await asyncio.to_thread(self.store.active_jobs)
                 await asyncio.gather(*(self.sync(j.id) for j in jobs))
                 await self._end_overtime(jobs)
-                if purged_at is None or time.monotonic() - purged_at > PURGE_EVERY_S:
+                if purged_at is None or time.monotonic() - purged_at > self._purge_every_s():
                     purged_at = time.monotonic()
                     await self._purge_old_data()
             except asyncio.CancelledError:
@@ -202,6 +202,10 @@ class JobControl:
             )
             with contextlib.suppress(Problem):  # it ended meanwhile
                 await self.cancel(job.id, reason)
+
+    def _purge_every_s(self) -> float:
+        # A tenth of the retention period, so that nothing is kept much longer than it says.
+        return min(PURGE_EVERY_S, self.settings.retention_days * 86400 / 10)
 
     async def _purge_old_data(self) -> None:
         days = self.settings.retention_days

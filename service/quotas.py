@@ -83,14 +83,12 @@ _TOTALS = (
 
 
 def check(user: str, limits: UserLimits, held: Usage, spec: JobSpec) -> None:
-    """Refuse ``spec`` for ``user``, who holds ``held`` already, when a limit says so."""
+    """Refuse ``spec`` for ``user``, who holds ``held`` already, when a limit says so: first
+    what the job could never get (422), then what it must wait for (429)."""
     wants = Usage.of(spec)
     for limit, counted, field, noun in _TOTALS:
-        cap = getattr(limits, limit)
-        if cap is None:
-            continue
-        need = getattr(wants, counted)
-        if need > cap:
+        cap, need = getattr(limits, limit), getattr(wants, counted)
+        if cap is not None and need > cap:
             message = (
                 f"the job holds up to {need:g} {noun} at max_workers, over {user}'s limit "
                 f"{limit} of {cap:g}"
@@ -102,14 +100,6 @@ def check(user: str, limits: UserLimits, held: Usage, spec: JobSpec) -> None:
                 errors=[{"field": field, "message": message}],
                 limit=limit,
             )
-        if getattr(held, counted) + need > cap:
-            raise Problem(
-                429,
-                "User limit reached",
-                f"{limit}: {user}'s active jobs hold {getattr(held, counted):g} of {cap:g} "
-                f"{noun}, and this job needs up to {need:g}; submit it when one ends",
-                limit=limit,
-            )
     if held.jobs + 1 > limits.max_active_jobs:
         raise Problem(
             429,
@@ -118,3 +108,13 @@ def check(user: str, limits: UserLimits, held: Usage, spec: JobSpec) -> None:
             f"allowed; submit this one when one ends",
             limit="max_active_jobs",
         )
+    for limit, counted, _, noun in _TOTALS:
+        cap, need = getattr(limits, limit), getattr(wants, counted)
+        if cap is not None and getattr(held, counted) + need > cap:
+            raise Problem(
+                429,
+                "User limit reached",
+                f"{limit}: {user}'s active jobs hold {getattr(held, counted):g} of {cap:g} "
+                f"{noun}, and this job needs up to {need:g}; submit it when one ends",
+                limit=limit,
+            )

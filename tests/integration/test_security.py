@@ -215,7 +215,10 @@ def test_a_finished_run_shows_no_service_path_and_retention_deletes_its_series(
 def test_specs_that_could_never_run_are_refused_naming_the_limit(secured: LiveServer) -> None:
     admin, _, bob = users(secured)
     quarter = {**LONG, "scaling": {"min_workers": 1, "max_workers": 8, "cpus_per_worker": 0.25}}
-    swarm = {**LONG, "scaling": {"min_workers": 1, "max_workers": 1024, "cpus_per_worker": 0.001}}
+    swarm = {
+        **small_job(max_steps=1_000_000, global_batch_size=1024),
+        "scaling": {"min_workers": 1, "max_workers": 1024, "cpus_per_worker": 0.001},
+    }
     huge = small_job(
         model="resnet50", image_size=1024, num_classes=100_000, global_batch_size=1_048_576
     )
@@ -267,7 +270,7 @@ def test_an_admin_sets_limits_per_user_and_each_refusal_names_its_limit(
         problem = refused(alice.post("/v1/jobs", json=LONG), 429)
         assert problem["limit"] == "max_active_jobs"
         two = {**LONG, "scaling": {"min_workers": 1, "max_workers": 2, "cpus_per_worker": 1}}
-        problem = refused(alice.post("/v1/jobs", json=two), 422, "scaling.max_workers")
+        problem = refused(alice.post("/v1/jobs", json=two), 422, "scaling.cpus_per_worker")
         assert problem["limit"] == "max_cpus"
         assert bob.post("/v1/jobs", json=LONG).status_code == 201  # others are not held back
         assert admin.get("/v1/users/alice/limits").json()["limits"]["max_active_jobs"] == 1
