@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -106,7 +107,16 @@ def problem_response(request: Request, p: Problem) -> JSONResponse:
         body["detail"] = p.detail
     body["instance"] = request.url.path
     body.update(p.extensions)
-    return JSONResponse(body, status_code=p.status, media_type=MEDIA_TYPE, headers=p.headers)
+    return ProblemResponse(body, status_code=p.status, media_type=MEDIA_TYPE, headers=p.headers)
+
+
+class ProblemResponse(JSONResponse):
+    """JSON in ASCII only: a problem often quotes what the client sent, and a client that
+    guesses the charset of ``application/problem+json`` (it names none) then still reads it
+    right."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def install(app: FastAPI) -> None:
