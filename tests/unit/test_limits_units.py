@@ -25,7 +25,7 @@ from service.schemas import downsample
 from service.settings import Settings
 from service.store import Store, job_relative, metric_stride, with_relative_paths
 from service.streams import REVOKED, Hub, job_events
-from tests.conftest import small_job
+from tests.conftest import database_url, small_job
 
 # -- data roots ---------------------------------------------------------------------------
 
@@ -427,3 +427,51 @@ def test_streams_per_token_are_capped_and_revocation_ends_them() -> None:
 
     asyncio.run(scenario())
     assert "event: revoked" in REVOKED
+
+
+def test_the_migration_makes_stored_checkpoint_paths_relative(
+    store_backend: str, tmp_path: Path
+) -> None:
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine, text
+
+    from service.store import MIGRATIONS
+
+    with database_url(store_backend, tmp_path) as url:
+        engine = create_engine(url)
+        config = Config()
+        config.set_main_option("script_location", MIGRATIONS)
+        with engine.begin() as conn:  # a database as the previous version left it
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0002")
+            conn.execute(
+                text(
+                    "INSERT INTO jobs (id, name, owner, workload, spec, state, world_size, "
+                    "step, restarts, last_seq, created_at, updated_at) VALUES ('job-old', "
+                    "'old', 'admin', 'image-classification', '{}', 'running', 1, 10, 0, 2, "
+                    "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO checkpoints (job_id, step, path, size_bytes, created_at, "
+                    "removed) VALUES ('job-old', 10, '/srv/etrain/checkpoints/job-old/"
+                    "step_0000000010', 100, 0, false)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO job_events (job_id, seq, kind, time, data) VALUES ('job-old', "
+                    "2, 'checkpoint_saved', 0, :data)"
+                ),
+                {"data": '{"step": 10, "path": "/srv/etrain/checkpoints/job-old/step_0000000010"}'},
+            )
+        engine.dispose()
+        store = Store(url)
+        try:
+            assert [c.path for c in store.checkpoints("job-old")] == ["step_0000000010"]
+            (saved,) = store.events("job-old", 1)
+            assert saved.data == {"step": 10, "path": "step_0000000010"}
+        finally:
+            store.close()
