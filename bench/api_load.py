@@ -136,6 +136,8 @@ def main() -> None:
             "ETRAIN_PORT": str(args.port),
             "ETRAIN_LOG_LEVEL": "warning",
             "ETRAIN_RATE_LIMIT_PER_S": "0",
+            # It measures latency, not limits: its submissions never wait for a slot.
+            "ETRAIN_USER_MAX_ACTIVE_JOBS": "100000",
             "ETRAIN_RAY_NUM_CPUS": "2",
         }
         server = subprocess.Popen(

@@ -90,6 +90,8 @@ def main() -> None:
         "ETRAIN_API_TOKEN": TOKEN,
         "ETRAIN_PORT": str(port),
         "ETRAIN_LOG_LEVEL": "warning",
+        # One token watches with every client here: allow it that many streams.
+        "ETRAIN_MAX_STREAMS_PER_TOKEN": str(CLIENTS + 10),
     }
     server = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "serve"],

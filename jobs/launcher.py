@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -12,6 +13,7 @@ from ray.exceptions import RayActorError
 
 from elastic import capacity
 from elastic.supervisor import Supervisor, SupervisorPlan
+from jobs import isolation
 from jobs.spec import JobSpec
 from jobs.state import TRANSITIONS, JobState
 from jobs.workloads import WORKLOADS
@@ -48,10 +50,13 @@ def connect(
     num_gpus: int | None = None,
     auth_token: str | None = None,
     auth_token_path: str | None = None,
+    worker_env: Iterable[str] = (),
+    dashboard_port: int = 8265,
 ) -> None:
     """Join ``address`` (with Ray's token authentication when a token is given), or start a
-    local Ray instance when it is None. A no-op when this process is already connected
-    (tests share one cluster)."""
+    local Ray instance when it is None, whose processes (and so every job's workers) get
+    only the allow-listed environment (``jobs.isolation``; ``worker_env`` adds names). A
+    no-op when this process is already connected (tests share one cluster)."""
     if ray.is_initialized():
         return
     if address:
@@ -60,18 +65,21 @@ def connect(
         ray.init(address=address, namespace=namespace, log_to_driver=False)
         return
     keep_ray_on_loopback()
-    ray.init(
-        # "local" always starts a new instance: a bare init would try to join a stale
-        # cluster that an earlier crash left recorded in Ray's temp dir.
-        address="local",
-        namespace=namespace,
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        log_to_driver=False,
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        _system_config=FAST_FAILURE_DETECTION,
-    )
+    # Ray's processes inherit this process's environment, the service's secrets with it.
+    with isolation.only_environment(isolation.worker_environment(os.environ, worker_env)):
+        ray.init(
+            # "local" always starts a new instance: a bare init would try to join a stale
+            # cluster that an earlier crash left recorded in Ray's temp dir.
+            address="local",
+            namespace=namespace,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            log_to_driver=False,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
+            _system_config=FAST_FAILURE_DETECTION,
+        )
 
 
 def keep_ray_on_loopback() -> None:

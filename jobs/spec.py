@@ -5,13 +5,39 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from jobs.validation import field_error, prefixed
 from jobs.workloads import WORKLOADS
 
 # "package.module:function", identifiers only: nothing that a shell or eval could interpret.
 ENTRYPOINT_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# How deeply a custom workload's hyperparameters may nest: far more than any configuration
+# needs, and far less than what breaks serialisation (Python's recursion limit).
+MAX_HYPERPARAMETER_DEPTH = 32
+
+
+def nesting_depth(value: Any) -> int:
+    """Levels of dicts and lists in ``value`` (0 for a plain value); without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 class ScalingSpec(BaseModel):
@@ -143,12 +169,39 @@ class JobSpec(BaseModel):
             return self.scaling.backend
         return self.distributed.backend
 
+    def data_paths(self) -> list[tuple[str, str]]:
+        """(``hyperparameters.<field>``, path) of every file or directory the job reads."""
+        workload = WORKLOADS.get(self.workload)
+        fields = workload.path_fields if workload else ()
+        return [
+            (f"hyperparameters.{name}", str(self.hyperparameters[name]))
+            for name in fields
+            if self.hyperparameters.get(name) is not None
+        ]
+
+    def with_data_paths(self, paths: dict[str, str]) -> JobSpec:
+        """This spec with the given ``hyperparameters.<field>`` paths replaced."""
+        hyper = dict(self.hyperparameters)
+        for field, path in paths.items():
+            hyper[field.removeprefix("hyperparameters.")] = path
+        return self.model_copy(update={"hyperparameters": hyper})
+
     def train_config(self) -> dict[str, Any]:
         """What every worker's ``train_loop(config, ctx)`` receives."""
         return {
             "hyperparameters": self.hyperparameters,
             "distributed": self.distributed.model_dump(),
         }
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _not_too_deep(cls, value: dict[str, Any]) -> dict[str, Any]:
+        depth = nesting_depth(value)
+        if depth > MAX_HYPERPARAMETER_DEPTH:
+            raise ValueError(
+                f"nested {depth} levels deep; at most {MAX_HYPERPARAMETER_DEPTH} are allowed"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_distributed(self) -> JobSpec:

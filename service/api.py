@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
@@ -14,19 +14,20 @@ from fastapi.responses import StreamingResponse
 from jobs.spec import JobSpec
 from jobs.state import JobState
 from service import streams
-from service.auth import Caller, require_token
+from service.auth import BOOTSTRAP_TOKEN_ID, Caller, require_token
 from service.control import JobControl
 from service.problems import PROBLEM_RESPONSES, Problem
+from service.quotas import UserLimits
 from service.schemas import (
     CheckpointList,
     EventPage,
     JobOut,
     JobPage,
+    Limits,
     LogLine,
     LogPage,
     Me,
     MetricSeries,
-    downsample,
 )
 from service.store import Store
 
@@ -59,15 +60,21 @@ def _job(store: Store, job_id: str, caller: Caller):
     return job
 
 
-@router.get("/me", response_model=Me, summary="Who the token belongs to")
-def me(caller: CallerDep) -> Me:
-    return Me(user=caller.user, role=caller.role)
+@router.get("/me", response_model=Me, summary="Who the token belongs to, and their limits")
+def me(caller: CallerDep, request: Request, store: StoreDep) -> Me:
+    limits = UserLimits.of(request.app.state.settings, store.user_limits(caller.user))
+    return Me(user=caller.user, role=caller.role, limits=Limits(**limits.as_dict()))
 
 
 def _fingerprint(spec: JobSpec) -> str:
     return hashlib.sha256(
         json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
     ).hexdigest()
+
+
+# The largest event number a query or Last-Event-ID may name: a signed 64-bit integer, what
+# every store can compare with.
+MAX_SEQ = 2**63 - 1
 
 
 @router.post(
@@ -178,32 +185,86 @@ def _resume_point(request: Request, after: int) -> int:
     last_id = request.headers.get("last-event-id")
     if last_id is None:
         return after
-    try:
-        return max(after, int(last_id))
-    except ValueError as e:
-        raise Problem(400, "Invalid request", "Last-Event-ID: not an event number") from e
+    text = last_id.strip()
+    if not text.isdigit() or len(text) > len(str(MAX_SEQ)) or int(text) > MAX_SEQ:
+        raise Problem(
+            400,
+            "Invalid header",
+            f"Last-Event-ID: not an event number (0 to {MAX_SEQ})",
+            errors=[{"field": "Last-Event-ID", "message": f"an integer from 0 to {MAX_SEQ}"}],
+        )
+    return max(after, int(text))
 
 
-def _sse(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        body,
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+class _TokenStream(StreamingResponse):
+    """An SSE response that holds one of its token's stream slots until it is done, however
+    it ends (the client may leave before the first byte)."""
+
+    def __init__(self, body: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _stream_slot(request: Request, caller: Caller) -> Callable[[], None]:
+    """Take one of the caller's token's stream slots (429 when all are in use); returns
+    what gives it back."""
+    hub: streams.Hub = request.app.state.hub
+    if not hub.claim_stream(caller.token_id):
+        cap = hub.streams_per_token
+        raise Problem(
+            429,
+            "Too many streams",
+            f"max_streams_per_token: this token has {cap} live streams open, the most "
+            "allowed; close one first",
+            headers={"Retry-After": "1"},
+            limit="max_streams_per_token",
+        )
+    return lambda: hub.release_stream(caller.token_id)
+
+
+def _token_check(request: Request, caller: Caller) -> streams.StillAllowed | None:
+    if caller.token_id == BOOTSTRAP_TOKEN_ID:
+        return None  # the configured admin token lives as long as the process
+    store: Store = request.app.state.store
+
+    async def still_allowed() -> bool:
+        return await asyncio.to_thread(store.token_active, caller.token_id)
+
+    return still_allowed
 
 
 def _job_stream(
-    request: Request, store: Store, job_id: str, after: int, kinds: tuple[str, ...] | None
+    request: Request,
+    store: Store,
+    caller: Caller,
+    job_id: str,
+    after: int,
+    kinds: tuple[str, ...] | None,
 ) -> StreamingResponse:
-    return _sse(
+    resume = _resume_point(request, after)
+    release = _stream_slot(request, caller)
+    return _TokenStream(
         streams.job_events(
             store,
             request.app.state.hub,
             job_id,
-            _resume_point(request, after),
+            resume,
             request.app.state.settings.sse_keepalive_s,
             kinds,
-        )
+            caller.token_id,
+            _token_check(request, caller),
+        ),
+        release,
     )
 
 
@@ -221,14 +282,14 @@ async def list_events(
     request: Request,
     store: StoreDep,
     caller: CallerDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
-    kind: Annotated[list[str] | None, Query(max_length=20)] = None,
+    kind: Annotated[list[Annotated[str, Query(max_length=32)]] | None, Query(max_length=20)] = None,
 ) -> Any:
     await asyncio.to_thread(_job, store, job_id, caller)
     kinds = tuple(kind) if kind else None
     if _wants_sse(request):
-        return _job_stream(request, store, job_id, after, kinds)
+        return _job_stream(request, store, caller, job_id, after, kinds)
     events = await asyncio.to_thread(store.events, job_id, after, limit, kinds)
     return EventPage.model_validate(
         {"items": events, "next_after": events[-1].seq if events else after}
@@ -250,12 +311,8 @@ def get_metrics(
     _job(store, job_id, caller)
     if every is not None and points is not None:
         raise Problem(400, "Invalid request", "every, points: give one of them, not both")
-    columns = store.metrics(job_id)
-    total = len(columns["step"])
-    keep = downsample(total, every=every, points=points)
-    return MetricSeries(
-        total_points=total, columns={k: [v[i] for i in keep] for k, v in columns.items()}
-    )
+    total, columns = store.metrics(job_id, every=every, points=points)
+    return MetricSeries(total_points=total, columns=columns)
 
 
 @router.get(
@@ -270,13 +327,13 @@ async def get_logs(
     request: Request,
     store: StoreDep,
     caller: CallerDep,
-    after: Annotated[int, Query(ge=0)] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
     follow: bool = False,
 ) -> Any:
     await asyncio.to_thread(_job, store, job_id, caller)
     if follow:
-        return _job_stream(request, store, job_id, after, ("log",))
+        return _job_stream(request, store, caller, job_id, after, ("log",))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
     lines = [
         LogLine(
@@ -303,10 +360,14 @@ async def get_logs(
 )
 async def all_events(request: Request, caller: CallerDep) -> StreamingResponse:
     settings = request.app.state.settings
-    return _sse(
+    release = _stream_slot(request, caller)
+    return _TokenStream(
         streams.all_jobs(
             request.app.state.hub,
             settings.sse_keepalive_s,
             lambda job: caller.may_see(job["owner"]),
-        )
+            caller.token_id,
+            _token_check(request, caller),
+        ),
+        release,
     )

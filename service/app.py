@@ -19,7 +19,7 @@ from jobs import launcher
 from service import api, cluster_api, dashboard, problems, users_api
 from service.auth import BOOTSTRAP_ADMIN, RateLimiter, resolve_admin_token
 from service.control import JobControl
-from service.limits import BodySizeLimit
+from service.limits import BodySizeLimit, NulInPath
 from service.problems import Problem
 from service.settings import Settings
 from service.store import Store
@@ -42,6 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.ray_num_gpus,
             token.get_secret_value() if token else None,
             settings.ray_auth_token_path,
+            settings.worker_env,
+            settings.ray_dashboard_port,
         )
         _reclaim_sigterm()
         control = JobControl(settings, app.state.store, app.state.hub)
@@ -64,11 +66,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.store = Store(settings.resolved_database_url)
     app.state.store.ensure_user(BOOTSTRAP_ADMIN, "admin")
-    app.state.hub = Hub(settings.sse_client_buffer)
+    app.state.hub = Hub(settings.sse_client_buffer, settings.max_streams_per_token)
     app.state.admin_token, _ = resolve_admin_token(settings)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
     problems.install(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(NulInPath)
     app.include_router(api.router)
     app.include_router(users_api.router)
     app.include_router(cluster_api.router)

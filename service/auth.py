@@ -24,6 +24,7 @@ from service.settings import Settings
 
 TOKEN_FILE = "admin-token"
 BOOTSTRAP_ADMIN = "admin"
+BOOTSTRAP_TOKEN_ID = "bootstrap"
 Role = Literal["admin", "user"]
 
 _bearer = HTTPBearer(auto_error=False, description="An API token of this service.")
@@ -92,7 +93,7 @@ def _unauthorized(detail: str, error: str | None = None) -> Problem:
 def authenticate(request: Request, secret: str) -> Caller | None:
     state = request.app.state
     if secrets.compare_digest(secret.encode(), state.admin_token.encode()):
-        return Caller(BOOTSTRAP_ADMIN, "admin", "bootstrap")
+        return Caller(BOOTSTRAP_ADMIN, "admin", BOOTSTRAP_TOKEN_ID)
     found = state.store.authenticate(secret)
     if found is None:
         return None

@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from service.auth import TOKEN_FILE, resolve_admin_token
+from service.server import server_config
 from service.settings import Settings
 
 
@@ -47,16 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     # exit, so that atexit hooks (an embedded Ray's shutdown) run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # In-flight requests get up to 5 s to finish; live streams are told to end at once.
-    server = GracefulServer(
-        app.state.hub,
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level.lower(),
-            timeout_graceful_shutdown=5,
-        ),
-    )
+    server = GracefulServer(app.state.hub, server_config(app, settings))
     server.run()
     return 0
 

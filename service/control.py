@@ -11,15 +11,19 @@ import asyncio
 import contextlib
 import logging
 import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from jobs import launcher
+from jobs import isolation, launcher, memory
 from jobs.spec import JobSpec
 from jobs.state import JobState
+from jobs.workloads.data_paths import DataAccess, PathRefused
+from service import quotas
 from service.problems import Problem
+from service.quotas import Usage, UserLimits
 from service.schemas import JobOut
 from service.settings import Settings
-from service.store import JobRow, Store
+from service.store import JobRow, Store, with_relative_paths
 from service.streams import Hub
 
 log = logging.getLogger(__name__)
@@ -27,6 +31,8 @@ log = logging.getLogger(__name__)
 # A supervisor not found this long after its job's last change is gone, not late.
 MISSING_GRACE_S = 5.0
 CALL_TIMEOUT_S = 10.0
+# How often finished jobs' old metrics and logs are deleted (ETRAIN_RETENTION_DAYS).
+PURGE_EVERY_S = 600.0
 # Job-level changes that the all-jobs stream carries (besides "created").
 ANNOUNCED = ("state", "resized")
 
@@ -39,11 +45,14 @@ class JobControl:
         self._handles: dict[str, Any] = {}
         self._missing_since: dict[str, float] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._admission: dict[str, asyncio.Lock] = {}
         self._task: asyncio.Task[None] | None = None
 
     # -- commands -----------------------------------------------------------------------
 
-    def check_admissible(self, spec: JobSpec) -> None:
+    def check_admissible(self, spec: JobSpec, owner: str) -> JobSpec:
+        """The spec as it will run (its data paths made canonical), or a Problem: 422 for
+        what can never run, 429 for what must wait until the owner's other jobs end."""
         if spec.is_custom:
             module, _, function = spec.workload.partition(":")
             if any(part.startswith("__") for part in [*module.split("."), function]):
@@ -62,6 +71,14 @@ class JobControl:
                     "allow-list of entrypoint modules (ETRAIN_ENTRYPOINT_MODULES)",
                     errors=[{"field": "workload", "message": f"module {module!r} is not allowed"}],
                 )
+        least = self.settings.min_cpus_per_worker
+        if spec.scaling.cpus_per_worker < least:
+            message = (
+                f"must be at least {least:g} on this service (ETRAIN_MIN_CPUS_PER_WORKER), "
+                f"not {spec.scaling.cpus_per_worker:g}"
+            )
+            raise _invalid("scaling.cpus_per_worker", message, limit="min_cpus_per_worker")
+        spec = self._authorize_data_paths(spec, owner)
         most = launcher.max_workers_ever(spec)
         if most < spec.scaling.min_workers:
             need = spec.scaling.worker_resources()
@@ -69,23 +86,55 @@ class JobControl:
                 f"min_workers is {spec.scaling.min_workers} but this cluster can hold at "
                 f"most {most} workers of {need}"
             )
+            raise _invalid("scaling.min_workers", message)
+        self._check_memory(spec)
+        limits = UserLimits.of(self.settings, self.store.user_limits(owner))
+        held = Usage.total(j.spec for j in self.store.active_jobs(owner))
+        quotas.check(owner, limits, held, spec)
+        return spec
+
+    def _authorize_data_paths(self, spec: JobSpec, owner: str) -> JobSpec:
+        wanted = spec.data_paths()
+        if not wanted:
+            return spec
+        access = DataAccess(
+            self.settings.data_roots, [*self.settings.private_dirs, *isolation.ray_temp_dirs()]
+        )
+        try:
+            return spec.with_data_paths(access.authorize_all(wanted, owner))
+        except PathRefused as e:
+            raise _invalid(e.field, e.message, limit="data_roots") from None
+
+    def _check_memory(self, spec: JobSpec) -> None:
+        need = memory.estimate(spec)
+        if need is None:
+            return
+        have = memory.largest_node_memory(spec.scaling.worker_resources())
+        if have is not None and need.total > have:
+            message = (
+                f"a worker needs {need.describe()}, more than the "
+                f"{have / memory.GIB:.2f} GiB of memory of the largest node that could hold it"
+            )
             raise Problem(
                 422,
-                "Invalid job spec",
-                f"scaling.min_workers: {message}",
-                errors=[{"field": "scaling.min_workers", "message": message}],
+                "Job does not fit in memory",
+                f"hyperparameters: {message}",
+                errors=[{"field": "hyperparameters", "message": message}],
+                limit="node_memory",
             )
 
     async def submit(self, spec: JobSpec, owner: str, idempotency_key: str | None = None) -> JobRow:
-        await asyncio.to_thread(self.check_admissible, spec)
-        job = await asyncio.to_thread(
-            self.store.create_job,
-            spec.name,
-            owner,
-            spec.workload,
-            spec.model_dump(mode="json"),
-            idempotency_key,
-        )
+        # One admission at a time per user: two submissions cannot both take the last slot.
+        async with self._admission.setdefault(owner, asyncio.Lock()):
+            spec = await asyncio.to_thread(self.check_admissible, spec, owner)
+            job = await asyncio.to_thread(
+                self.store.create_job,
+                spec.name,
+                owner,
+                spec.workload,
+                spec.model_dump(mode="json"),
+                idempotency_key,
+            )
         self._announce("created", job)
         await self._launch(job)
         return await asyncio.to_thread(self._get, job.id)
@@ -119,15 +168,55 @@ class JobControl:
                 await self._task
 
     async def _run(self) -> None:
+        purged_at: float | None = None
         while True:
             try:
                 jobs = await asyncio.to_thread(self.store.active_jobs)
                 await asyncio.gather(*(self.sync(j.id) for j in jobs))
+                await self._end_overtime(jobs)
+                if purged_at is None or time.monotonic() - purged_at > self._purge_every_s():
+                    purged_at = time.monotonic()
+                    await self._purge_old_data()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("event pump tick failed")
             await asyncio.sleep(self.settings.event_poll_interval_s)
+
+    async def _end_overtime(self, jobs: list[JobRow]) -> None:
+        """Cancel each job running longer than its owner's max_wall_time_s."""
+        running = [j for j in jobs if j.started_at is not None]
+        if not running:
+            return
+        overrides = await asyncio.to_thread(self.store.all_user_limits)
+        now = datetime.now(UTC)
+        for job in running:
+            limit = UserLimits.of(self.settings, overrides.get(job.owner)).max_wall_time_s
+            started = _aware(job.started_at)  # type: ignore[arg-type]
+            ran = (now - started).total_seconds()
+            if limit is None or ran <= limit:
+                continue
+            reason = (
+                f"wall-time limit: the job ran {ran:.0f} s, over {job.owner}'s "
+                f"max_wall_time_s of {limit:g} s"
+            )
+            with contextlib.suppress(Problem):  # it ended meanwhile
+                await self.cancel(job.id, reason)
+
+    def _purge_every_s(self) -> float:
+        # A tenth of the retention period, so that nothing is kept much longer than it says.
+        return min(PURGE_EVERY_S, self.settings.retention_days * 86400 / 10)
+
+    async def _purge_old_data(self) -> None:
+        days = self.settings.retention_days
+        if days <= 0:
+            return
+        before = datetime.now(UTC) - timedelta(days=days)
+        gone = await asyncio.to_thread(self.store.purge_finished, before)
+        if gone:
+            log.info(
+                "retention: deleted %d metric and log rows of jobs ended before %s", gone, before
+            )
 
     async def sync(self, job_id: str) -> None:
         """Bring the store up to date with the job's supervisor."""
@@ -211,6 +300,7 @@ class JobControl:
 
     async def _store_events(self, job_id: str, events: list[dict[str, Any]]) -> JobRow:
         """Store, then tell live streams: nothing is sent that is not stored first."""
+        events = with_relative_paths(job_id, events)
         job = await asyncio.to_thread(self.store.append_events, job_id, events)
         self.hub.publish(job_id, events)
         for kind in dict.fromkeys(e["kind"] for e in events if e["kind"] in ANNOUNCED):
@@ -231,3 +321,17 @@ class JobControl:
         if job is None:
             raise Problem(404, "Not found", f"no job {job_id!r}")
         return job
+
+
+def _invalid(field: str, message: str, **extensions: Any) -> Problem:
+    return Problem(
+        422,
+        "Invalid job spec",
+        f"{field}: {message}",
+        errors=[{"field": field, "message": message}],
+        **extensions,
+    )
+
+
+def _aware(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

@@ -1,9 +1,10 @@
-"""A cap on request bodies, enforced before anything reads them: 413 past the limit."""
+"""Guards on requests, enforced before anything reads them: a cap on bodies (413 past it),
+and no NUL byte in a path (404: no file or route has one; static file lookups would
+otherwise fail on it with an error)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +18,36 @@ class BodyTooLarge(HTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the body may be at most {limit} bytes")
+
+
+class NulInPath:
+    """A path with a NUL byte in it (``/ui/%00``) names nothing: 404 for every route, the
+    static files' included, before they try to open it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and "\x00" in scope.get("path", ""):
+            await _send_problem(send, 404, "Not found", "no such path", scope.get("path", ""))
+            return
+        await self.app(scope, receive, send)
+
+
+async def _send_problem(
+    send: Send, status: int, title: str, detail: str, instance: str, close: bool = False
+) -> None:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    body["instance"] = instance.replace("\x00", "%00")
+    data = json.dumps(body).encode()
+    headers = [
+        (b"content-type", MEDIA_TYPE.encode()),
+        (b"content-length", str(len(data)).encode()),
+    ]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
 class BodySizeLimit:
@@ -59,23 +90,11 @@ class BodySizeLimit:
                 await self._refuse(scope, send)
 
     async def _refuse(self, scope: Scope, send: Send) -> None:
-        body: dict[str, Any] = {
-            "type": "about:blank",
-            "title": "Request body too large",
-            "status": 413,
-            "detail": f"the body may be at most {self.limit} bytes",
-            "instance": scope.get("path", ""),
-        }
-        data = json.dumps(body).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", MEDIA_TYPE.encode()),
-                    (b"content-length", str(len(data)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
+        await _send_problem(
+            send,
+            413,
+            "Request body too large",
+            f"the body may be at most {self.limit} bytes",
+            scope.get("path", ""),
+            close=True,
         )
-        await send({"type": "http.response.body", "body": data})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -72,12 +73,32 @@ class Problem(Exception):
         self.extensions = extensions
 
 
-def invalid(errors: list[dict[str, str]], status: int = 422) -> Problem:
-    """A rejection of the request body, each error naming its field."""
+def invalid(
+    errors: list[dict[str, str]], status: int = 422, title: str = "Invalid job spec"
+) -> Problem:
+    """A rejection of the request, each error naming its field."""
     detail = "; ".join(f"{e['field']}: {e['message']}" for e in errors)
-    return Problem(
-        status, "Invalid job spec" if status == 422 else "Invalid request", detail, errors=errors
-    )
+    return Problem(status, title if status == 422 else "Invalid request", detail, errors=errors)
+
+
+# Where FastAPI found the invalid value -> the title of the 422.
+_PLACES = {
+    "query": "Invalid query parameter",
+    "header": "Invalid header",
+    "path": "Invalid path parameter",
+    "cookie": "Invalid cookie",
+}
+
+
+def validation_title(request: Request, errors: list[Any]) -> str:
+    """What was invalid: the job spec, another body, a query parameter, a header..."""
+    places = {str(e["loc"][0]) for e in errors if e.get("loc")}
+    if places == {"body"}:
+        is_spec = request.method == "POST" and request.url.path == "/v1/jobs"
+        return "Invalid job spec" if is_spec else "Invalid request body"
+    if len(places) == 1:
+        return _PLACES.get(places.pop(), "Invalid request")
+    return "Invalid request"
 
 
 def problem_response(request: Request, p: Problem) -> JSONResponse:
@@ -86,7 +107,16 @@ def problem_response(request: Request, p: Problem) -> JSONResponse:
         body["detail"] = p.detail
     body["instance"] = request.url.path
     body.update(p.extensions)
-    return JSONResponse(body, status_code=p.status, media_type=MEDIA_TYPE, headers=p.headers)
+    return ProblemResponse(body, status_code=p.status, media_type=MEDIA_TYPE, headers=p.headers)
+
+
+class ProblemResponse(JSONResponse):
+    """JSON in ASCII only: a problem often quotes what the client sent, and a client that
+    guesses the charset of ``application/problem+json`` (it names none) then still reads it
+    right."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def install(app: FastAPI) -> None:
@@ -96,7 +126,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return problem_response(request, invalid(describe(exc.errors())))
+        errors = list(exc.errors())
+        return problem_response(
+            request, invalid(describe(errors), title=validation_title(request, errors))
+        )
 
     @app.exception_handler(ValidationError)
     async def _pydantic(request: Request, exc: ValidationError) -> JSONResponse:

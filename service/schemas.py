@@ -160,9 +160,40 @@ class TokenList(BaseModel):
     items: list[TokenOut]
 
 
+class Limits(BaseModel):
+    """A user's limits: their active jobs together, and each job's running time."""
+
+    max_active_jobs: int = Field(description="Jobs queued or running at once.")
+    max_workers: int | None = Field(description="Workers (at max_workers); null: no limit.")
+    max_cpus: float | None = Field(description="CPUs; null: no limit.")
+    max_gpus: int | None = Field(description="GPUs; null: no limit.")
+    max_wall_time_s: float | None = Field(
+        description="Seconds one job may run before it is cancelled; null: no limit."
+    )
+
+
+class LimitsIn(BaseModel):
+    """Limits an admin sets for a user; one left out (or null) is the service's default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_active_jobs: int | None = Field(None, ge=0, le=100_000)
+    max_workers: int | None = Field(None, ge=0, le=1_000_000)
+    max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    max_gpus: int | None = Field(None, ge=0, le=1_000_000)
+    max_wall_time_s: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False)
+
+
+class UserLimitsOut(BaseModel):
+    user: str
+    limits: Limits = Field(description="What applies: the ones set, else the defaults.")
+    set: LimitsIn = Field(description="The ones an admin set for this user.")
+
+
 class Me(BaseModel):
     user: str
     role: str
+    limits: Limits
 
 
 class ClusterWorker(BaseModel):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -50,6 +51,13 @@ class Settings(BaseSettings):
     )
     ray_num_gpus: int | None = Field(
         None, ge=0, description="GPUs of the embedded Ray instance. Unset: Ray detects them."
+    )
+    ray_dashboard_port: int = Field(
+        8265,
+        ge=1,
+        le=65535,
+        description="Loopback port of the embedded Ray instance's dashboard (two services "
+        "on one machine need two).",
     )
     checkpoint_dir: str | None = Field(
         None,
@@ -107,6 +115,92 @@ class Settings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the service."
     )
+    # -- what jobs may reach --------------------------------------------------------------
+    data_roots: list[str] = Field(
+        default_factory=list,
+        description="Absolute directories whose files jobs may read as datasets; '{user}' "
+        'stands for the job owner\'s name (e.g. ["/data/shared", "/data/home/{user}"]). '
+        "Checked on the real path at submission; the service's own directories are never "
+        "readable. Empty: jobs read no files (the synthetic dataset only).",
+    )
+    worker_env: list[str] = Field(
+        default_factory=list,
+        description="More environment variable names that reach the job workers of the "
+        "embedded Ray, beyond the built-in allow-list (a trailing '*' matches a prefix). "
+        "ETRAIN_ variables never do.",
+    )
+    # -- limits per user (defaults; an admin sets them per user with /v1/users/{name}/limits)
+    min_cpus_per_worker: float = Field(
+        1.0,
+        gt=0,
+        le=512,
+        description="The fewest CPUs a worker may ask for; fewer is refused with 422.",
+    )
+    user_max_active_jobs: int = Field(
+        10, ge=1, le=100_000, description="Jobs a user may have queued or running at once."
+    )
+    user_max_workers: int | None = Field(
+        None,
+        ge=1,
+        description="Workers (at their max_workers) a user's active jobs may hold together. "
+        "Unset: no limit.",
+    )
+    user_max_cpus: float | None = Field(
+        None, gt=0, description="CPUs a user's active jobs may hold together. Unset: no limit."
+    )
+    user_max_gpus: int | None = Field(
+        None, ge=0, description="GPUs a user's active jobs may hold together. Unset: no limit."
+    )
+    user_max_wall_time_s: float | None = Field(
+        7 * 24 * 3600.0,
+        gt=0,
+        description="How long one job may run (from its first running state) before the "
+        "service cancels it. Unset: no limit.",
+    )
+    # -- the HTTP server ------------------------------------------------------------------
+    max_header_bytes: int = Field(
+        65_536,
+        ge=4096,
+        le=1 << 24,
+        description="Largest request line plus headers; past it the connection gets 400 and "
+        "is closed (also for a request that never ends its headers).",
+    )
+    header_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="Seconds a connection may take to send a request's headers; past it, "
+        "the connection is closed.",
+    )
+    max_connections: int = Field(
+        1000,
+        ge=1,
+        le=1_000_000,
+        description="Connections the server holds open (more are closed at once) and "
+        "requests it serves at a time (more are answered 503).",
+    )
+    max_streams_per_token: int = Field(
+        32,
+        ge=1,
+        le=100_000,
+        description="Live Server-Sent Event streams one token may hold open; past it, 429.",
+    )
+    # -- stored data -----------------------------------------------------------------------
+    retention_days: float = Field(
+        30.0,
+        ge=0,
+        le=36_500,
+        description="Days a finished job's metrics and log lines are kept (its record, "
+        "state changes and checkpoints stay). 0: kept forever.",
+    )
+
+    @field_validator("data_roots")
+    @classmethod
+    def _absolute_roots(cls, roots: list[str]) -> list[str]:
+        for root in roots:
+            if not os.path.isabs(root) or "\x00" in root:
+                raise ValueError(f"data root {root!r} is not an absolute path")
+        return roots
 
     @cached_property
     def resolved_database_url(self) -> str:
@@ -119,3 +213,12 @@ class Settings(BaseSettings):
         if self.checkpoint_dir:
             return self.checkpoint_dir
         return str((self.data_dir / "checkpoints").resolve())
+
+    @cached_property
+    def private_dirs(self) -> list[str]:
+        """The service's own directories: no job may read them, whatever the data roots."""
+        dirs = [str(self.data_dir.resolve()), self.resolved_checkpoint_dir]
+        url = self.resolved_database_url
+        if url.startswith("sqlite:///"):
+            dirs.append(os.path.dirname(os.path.abspath(url.removeprefix("sqlite:///"))))
+        return dirs

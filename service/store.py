@@ -25,7 +25,9 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    func,
     inspect,
+    or_,
     select,
 )
 from sqlalchemy.engine import Engine
@@ -93,6 +95,12 @@ class MetricRow(Base):
     world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
+# Most points one metrics request returns, whatever it asks: the work of a request is
+# bounded however long the run.
+MAX_METRIC_POINTS = 100_000
+# What retention deletes from a finished job: the series and the log, not its history.
+PURGED_KINDS = ("metrics", "log")
+
 METRIC_COLUMNS = (
     "step",
     "time",
@@ -134,6 +142,23 @@ class TokenRow(Base):
     secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class UserLimitRow(Base):
+    """An admin's limits for one user; a None column means the service's default."""
+
+    __tablename__ = "user_limits"
+
+    user: Mapped[str] = mapped_column(ForeignKey("users.name"), primary_key=True)
+    max_active_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_workers: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_cpus: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_wall_time_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+LIMIT_COLUMNS = ("max_active_jobs", "max_workers", "max_cpus", "max_gpus", "max_wall_time_s")
 
 
 class IdempotencyRow(Base):
@@ -293,10 +318,14 @@ class Store:
         rows = rows[:limit]
         return Page(rows, encode_cursor(rows[-1].id) if more and rows else None)
 
-    def active_jobs(self) -> list[JobRow]:
+    def active_jobs(self, owner: str | None = None) -> list[JobRow]:
+        """Jobs not yet ended; only ``owner``'s when given."""
         terminal = [s.value for s in TERMINAL_STATES]
+        query = select(JobRow).where(JobRow.state.not_in(terminal))
+        if owner is not None:
+            query = query.where(JobRow.owner == owner)
         with self.session() as s:
-            return list(s.scalars(select(JobRow).where(JobRow.state.not_in(terminal))))
+            return list(s.scalars(query))
 
     # -- users and tokens ---------------------------------------------------------------
 
@@ -353,6 +382,40 @@ class Store:
             if row is not None and row.revoked_at is None:
                 row.revoked_at = utcnow()
             return row
+
+    def token_active(self, token_id: str) -> bool:
+        """Whether the token still works: not revoked, and its user still exists."""
+        query = (
+            select(TokenRow.id)
+            .join(UserRow, TokenRow.user == UserRow.name)
+            .where(TokenRow.id == token_id, TokenRow.revoked_at.is_(None))
+        )
+        with self.session() as s:
+            return s.execute(query).first() is not None
+
+    # -- limits per user ------------------------------------------------------------------
+
+    def user_limits(self, user: str) -> dict[str, Any]:
+        """The limits an admin set for ``user`` (only those set)."""
+        with self.session() as s:
+            row = s.get(UserLimitRow, user)
+            return _limits_of(row)
+
+    def all_user_limits(self) -> dict[str, dict[str, Any]]:
+        with self.session() as s:
+            return {row.user: _limits_of(row) for row in s.scalars(select(UserLimitRow))}
+
+    def set_user_limits(self, user: str, limits: dict[str, Any]) -> dict[str, Any]:
+        """Replace the limits set for ``user``: a limit left out (or None) is the default."""
+        with self.session() as s:
+            row = s.get(UserLimitRow, user)
+            if row is None:
+                row = UserLimitRow(user=user)
+                s.add(row)
+            for name in LIMIT_COLUMNS:
+                setattr(row, name, limits.get(name))
+            row.updated_at = utcnow()
+            return _limits_of(row)
 
     def authenticate(self, secret: str) -> tuple[UserRow, TokenRow] | None:
         """The user and token a secret belongs to, unless it is unknown or revoked."""
@@ -428,13 +491,52 @@ class Store:
         with self.session() as s:
             return list(s.scalars(query))
 
-    def metrics(self, job_id: str) -> dict[str, list[Any]]:
-        """The job's metrics as columns, in step order."""
-        columns = [getattr(MetricRow, c) for c in METRIC_COLUMNS]
-        query = select(*columns).where(MetricRow.job_id == job_id).order_by(MetricRow.seq)
+    def metrics(
+        self,
+        job_id: str,
+        every: int | None = None,
+        points: int | None = None,
+        max_points: int = MAX_METRIC_POINTS,
+    ) -> tuple[int, dict[str, list[Any]]]:
+        """(points stored, the job's metrics as columns in step order), downsampled in the
+        database: every ``every``-th point, or about ``points`` evenly spread, and never
+        more than about ``max_points``; the last point is always kept."""
         with self.session() as s:
-            rows = s.execute(query).all()
-        return {name: [r[i] for r in rows] for i, name in enumerate(METRIC_COLUMNS)}
+            total = int(s.scalar(select(func.count()).where(MetricRow.job_id == job_id)) or 0)
+            if total == 0:
+                return 0, {name: [] for name in METRIC_COLUMNS}
+            stride = metric_stride(total, every, points, max_points)
+            numbered = select(
+                *(getattr(MetricRow, c) for c in METRIC_COLUMNS),
+                func.row_number().over(order_by=MetricRow.seq).label("n"),
+            ).where(MetricRow.job_id == job_id)
+            if stride == 1:
+                rows = s.execute(numbered.order_by(MetricRow.seq)).all()
+            else:
+                sub = numbered.subquery()
+                query = (
+                    select(*(sub.c[c] for c in METRIC_COLUMNS))
+                    .where(or_((sub.c.n - 1) % stride == 0, sub.c.n == total))
+                    .order_by(sub.c.n)
+                )
+                rows = s.execute(query).all()
+        return total, {name: [r[i] for r in rows] for i, name in enumerate(METRIC_COLUMNS)}
+
+    def purge_finished(self, finished_before: datetime) -> int:
+        """Delete the metrics and log lines of jobs that ended before ``finished_before``
+        (their record, state changes and checkpoints stay). Returns the rows deleted."""
+        ended = select(JobRow.id).where(
+            JobRow.finished_at.is_not(None), JobRow.finished_at < finished_before
+        )
+        gone = 0
+        with self.session() as s:
+            for statement in (
+                delete(MetricRow).where(MetricRow.job_id.in_(ended)),
+                delete(EventRow).where(EventRow.job_id.in_(ended), EventRow.kind.in_(PURGED_KINDS)),
+            ):
+                result: Any = s.execute(statement)
+                gone += int(result.rowcount or 0)
+        return gone
 
     def append_events(self, job_id: str, events: Sequence[dict[str, Any]]) -> JobRow:
         """Store events (``{seq, kind, time, data}``) and fold them into the job's summary,
@@ -474,6 +576,43 @@ class Store:
         )
         with self.session() as s:
             return list(s.scalars(query))
+
+
+def metric_stride(
+    total: int, every: int | None, points: int | None, max_points: int = MAX_METRIC_POINTS
+) -> int:
+    """Every how many stored points one is returned (see ``Store.metrics``)."""
+    stride = every or (max(1, -(-total // points)) if points else 1)
+    return max(stride, -(-total // max_points))
+
+
+def _limits_of(row: UserLimitRow | None) -> dict[str, Any]:
+    if row is None:
+        return {}
+    return {name: getattr(row, name) for name in LIMIT_COLUMNS if getattr(row, name) is not None}
+
+
+def job_relative(path: str, job_id: str) -> str:
+    """A checkpoint's path as the API shows it: relative to the job's checkpoint
+    directory, which says nothing of where the service keeps its files."""
+    marker = f"/{job_id}/"
+    at = path.rfind(marker)
+    if at >= 0:
+        return path[at + len(marker) :]
+    return os.path.basename(path.rstrip("/"))
+
+
+PATH_EVENTS = ("checkpoint_saved", "checkpoint_removed", "checkpoint_corrupt")
+
+
+def with_relative_paths(job_id: str, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events with each checkpoint path made relative to the job (see job_relative)."""
+    out = []
+    for ev in events:
+        if ev["kind"] in PATH_EVENTS and isinstance(ev["data"].get("path"), str):
+            ev = {**ev, "data": {**ev["data"], "path": job_relative(ev["data"]["path"], job_id)}}
+        out.append(ev)
+    return out
 
 
 def event_dict(row: EventRow) -> dict[str, Any]:

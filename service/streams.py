@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import deque
-from collections.abc import Iterable
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
+
+# Asked again, at least every keep-alive interval, whether the stream's token still works.
+StillAllowed = Callable[[], Awaitable[bool]]
 
 
 class Subscription:
@@ -19,17 +23,24 @@ class Subscription:
     been published: by sequence number for a job's events (however they were batched), by
     items waiting for the all-jobs stream."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, token: str | None = None) -> None:
         self.limit = limit
+        self.token = token
         self.items: deque[dict[str, Any]] = deque()
         self.ready = asyncio.Event()
         self.last_sent = 0
         self.overflowed = False
         self.closed = False
+        self.revoked = False
 
     def close(self) -> None:
         """End the stream (the service is shutting down): the reader says so and stops."""
         self.closed = True
+        self.ready.set()
+
+    def revoke(self) -> None:
+        """End the stream at once: its token no longer works."""
+        self.revoked = True
         self.ready.set()
 
     def offer(self, item: dict[str, Any]) -> None:
@@ -45,6 +56,8 @@ class Subscription:
 
     async def next(self, timeout: float) -> dict[str, Any] | None:
         """The next item, or None after ``timeout`` seconds of silence."""
+        if self.revoked:
+            return None
         if not self.items and not self.overflowed and not self.closed:
             self.ready.clear()
             try:
@@ -55,14 +68,41 @@ class Subscription:
 
 
 class Hub:
-    def __init__(self, buffer: int) -> None:
+    def __init__(self, buffer: int, streams_per_token: int = 1_000_000) -> None:
         self.buffer = buffer
+        self.streams_per_token = streams_per_token
         self._jobs: dict[str, set[Subscription]] = {}
         self._everyone: set[Subscription] = set()
+        self._streams: Counter[str] = Counter()
         self.closing = False
 
-    def subscribe(self, job_id: str | None) -> Subscription:
-        sub = Subscription(self.buffer)
+    def claim_stream(self, token: str) -> bool:
+        """Take one of ``token``'s stream slots; False when all are taken."""
+        if self._streams[token] >= self.streams_per_token:
+            return False
+        self._streams[token] += 1
+        return True
+
+    def release_stream(self, token: str) -> None:
+        self._streams[token] -= 1
+        if self._streams[token] <= 0:
+            del self._streams[token]
+
+    def streams_of(self, token: str) -> int:
+        return self._streams[token]
+
+    def revoke(self, token: str) -> int:
+        """End every live stream of ``token`` now; returns how many."""
+        subs = [s for s in self._all() if s.token == token]
+        for sub in subs:
+            sub.revoke()
+        return len(subs)
+
+    def _all(self) -> list[Subscription]:
+        return [*self._everyone, *(s for subs in self._jobs.values() for s in subs)]
+
+    def subscribe(self, job_id: str | None, token: str | None = None) -> Subscription:
+        sub = Subscription(self.buffer, token)
         if self.closing:
             sub.close()
         (self._everyone if job_id is None else self._jobs.setdefault(job_id, set())).add(sub)
@@ -99,7 +139,7 @@ class Hub:
     def close(self) -> None:
         """Tell every live stream to end; new ones end at once."""
         self.closing = True
-        for sub in [*self._everyone, *(s for subs in self._jobs.values() for s in subs)]:
+        for sub in self._all():
             sub.close()
 
     def subscriber_count(self, job_id: str | None) -> int:
@@ -128,6 +168,28 @@ def sse_message(data: Any, event: str | None = None, id: int | str | None = None
 
 KEEPALIVE = ": keep-alive\n\n"
 SHUTTING_DOWN = "the service is shutting down; reconnect in a few seconds"
+REVOKED = sse_message({"reason": "the token of this stream no longer works"}, "revoked")
+
+
+class TokenWatch:
+    """Whether a stream's token still works: known at once when it is revoked through this
+    service (``Hub.revoke``), and asked of the store at least every ``every_s`` seconds,
+    however busy the stream (the token may be revoked elsewhere, or its user removed)."""
+
+    def __init__(self, sub: Subscription, still_allowed: StillAllowed | None, every_s: float):
+        self.sub, self.still_allowed, self.every_s = sub, still_allowed, every_s
+        self.next_check = time.monotonic() + every_s
+
+    async def lost(self) -> bool:
+        if self.sub.revoked:
+            return True
+        if self.still_allowed is None or time.monotonic() < self.next_check:
+            return False
+        self.next_check = time.monotonic() + self.every_s
+        if not await self.still_allowed():
+            self.sub.revoke()
+            return True
+        return False
 
 
 TERMINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -145,15 +207,23 @@ async def job_events(
     after: int,
     keepalive_s: float,
     kinds: tuple[str, ...] | None = None,
+    token: str | None = None,
+    still_allowed: StillAllowed | None = None,
 ) -> Any:
     """SSE text for a job's events after ``after``: what is stored, then live, until the
-    job's terminal event. ``kinds`` narrows what is sent, not when the stream ends."""
+    job's terminal event (at once when the job has ended and nothing after ``after`` is
+    left). ``kinds`` narrows what is sent, not when the stream ends. It ends early when the
+    token it was opened with stops working."""
     from service.store import event_dict
 
-    sub = hub.subscribe(job_id)  # before reading the backlog: nothing falls in between
+    sub = hub.subscribe(job_id, token)  # before reading the backlog: nothing falls in between
+    watch = TokenWatch(sub, still_allowed, keepalive_s)
     last = sub.last_sent = after
     try:
         while True:
+            if await watch.lost():
+                yield REVOKED
+                return
             rows = await asyncio.to_thread(store.events, job_id, last, BACKLOG_PAGE)
             for row in rows:
                 event = event_dict(row)
@@ -163,9 +233,20 @@ async def job_events(
                 if _is_terminal(event):
                     return
             if len(rows) < BACKLOG_PAGE:
+                job = await asyncio.to_thread(store.get_job, job_id)
+                if job is None or job.state in TERMINAL_STATES:
+                    if rows:
+                        continue  # what was stored while this page was read
+                    return  # ended, and nothing after ``last``: no event will come
                 break
         while True:
+            if await watch.lost():
+                yield REVOKED
+                return
             live = await sub.next(keepalive_s)
+            if sub.revoked:
+                yield REVOKED
+                return
             if live is None and sub.closed:
                 yield sse_message({"reason": SHUTTING_DOWN, "last_event_id": last}, "reconnect")
                 return
@@ -192,14 +273,28 @@ async def job_events(
         hub.unsubscribe(job_id, sub)
 
 
-async def all_jobs(hub: Hub, keepalive_s: float, visible: Any) -> Any:
+async def all_jobs(
+    hub: Hub,
+    keepalive_s: float,
+    visible: Any,
+    token: str | None = None,
+    still_allowed: StillAllowed | None = None,
+) -> Any:
     """SSE text of job-level changes across the jobs ``visible(job)`` lets the caller see.
-    These carry no ids: after a reconnect, a client reloads the job list."""
-    sub = hub.subscribe(None)
+    These carry no ids: after a reconnect, a client reloads the job list. It ends when the
+    token it was opened with stops working."""
+    sub = hub.subscribe(None, token)
+    watch = TokenWatch(sub, still_allowed, keepalive_s)
     try:
         yield KEEPALIVE  # headers and a first byte now: the client knows it is subscribed
         while True:
+            if await watch.lost():
+                yield REVOKED
+                return
             item = await sub.next(keepalive_s)
+            if sub.revoked:
+                yield REVOKED
+                return
             if item is None and sub.closed:
                 yield sse_message({"reason": SHUTTING_DOWN}, "reconnect")
                 return

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 
 from service.auth import require_admin
 from service.problems import PROBLEM_RESPONSES, Problem
-from service.schemas import TokenCreated, TokenIn, TokenList, TokenOut, UserIn, UserList, UserOut
+from service.quotas import UserLimits
+from service.schemas import (
+    Limits,
+    LimitsIn,
+    TokenCreated,
+    TokenIn,
+    TokenList,
+    TokenOut,
+    UserIn,
+    UserLimitsOut,
+    UserList,
+    UserOut,
+)
 from service.store import Store
 
 router = APIRouter(
@@ -80,4 +92,44 @@ async def revoke_token(token_id: str, request: Request) -> TokenOut:
     row = await asyncio.to_thread(_store(request).revoke_token, token_id)
     if row is None:
         raise Problem(404, "Not found", f"no token {token_id!r}")
+    request.app.state.hub.revoke(token_id)  # its live streams end now, not at their next check
     return TokenOut.model_validate(row)
+
+
+def _limits_of(request: Request, name: str, overrides: dict[str, Any]) -> UserLimitsOut:
+    effective = UserLimits.of(request.app.state.settings, overrides)
+    return UserLimitsOut(user=name, limits=Limits(**effective.as_dict()), set=LimitsIn(**overrides))
+
+
+async def _existing_user(request: Request, name: str) -> None:
+    if await asyncio.to_thread(_store(request).get_user, name) is None:
+        raise Problem(404, "Not found", f"no user {name!r}")
+
+
+@router.get(
+    "/users/{name}/limits",
+    response_model=UserLimitsOut,
+    summary="A user's limits (admin): those set for them, and what applies",
+)
+async def get_limits(name: Annotated[str, Path(max_length=64)], request: Request) -> UserLimitsOut:
+    await _existing_user(request, name)
+    overrides = await asyncio.to_thread(_store(request).user_limits, name)
+    return _limits_of(request, name, overrides)
+
+
+@router.put(
+    "/users/{name}/limits",
+    response_model=UserLimitsOut,
+    summary="Set a user's limits (admin); one left out or null is the service's default",
+    description="Checked when the user submits a job: over max_active_jobs, or over a "
+    "total that the user's active jobs hold together, is 429; a job that alone needs more "
+    "than a total is 422. A job running longer than max_wall_time_s is cancelled.",
+)
+async def set_limits(
+    name: Annotated[str, Path(max_length=64)], body: LimitsIn, request: Request
+) -> UserLimitsOut:
+    await _existing_user(request, name)
+    overrides = await asyncio.to_thread(
+        _store(request).set_user_limits, name, body.model_dump(exclude_none=True)
+    )
+    return _limits_of(request, name, overrides)

@@ -116,10 +116,14 @@ class LiveServer:
 
 
 def make_settings(data_dir: Path, **overrides: Any) -> Any:
+    """Settings of a test service: its own files under ``data_dir/service`` and
+    ``data_dir/checkpoints``; jobs may read the rest of ``data_dir`` (the data root)."""
     from service.settings import Settings
 
     values: dict[str, Any] = {
-        "data_dir": data_dir,
+        "data_dir": data_dir / "service",
+        "checkpoint_dir": str(data_dir / "checkpoints"),
+        "data_roots": [str(data_dir)],
         "api_token": TOKEN,
         "ray_namespace": NAMESPACE,
         "event_poll_interval_s": 0.2,

@@ -20,6 +20,8 @@ class Workload:
     hyperparameters: type[BaseModel]
     # "module:function" of the per-worker training loop, resolved on the worker.
     train_loop: str
+    # Hyperparameters that name files the workers read: authorized at submission.
+    path_fields: tuple[str, ...] = ()
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -29,11 +31,13 @@ WORKLOADS: dict[str, Workload] = {
             name="image-classification",
             hyperparameters=ImageClassificationHyperparameters,
             train_loop="jobs.workloads.image_classification:train_loop",
+            path_fields=("data_path", "eval_path"),
         ),
         Workload(
             name="text-classification",
             hyperparameters=TextClassificationHyperparameters,
             train_loop="jobs.workloads.text_classification:train_loop",
+            path_fields=("data_path", "eval_path", "vocab_path"),
         ),
     ]
 }

@@ -3,7 +3,6 @@ images, an ImageFolder tree or CIFAR-10, with a held-out evaluation after each e
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,13 @@ from torch.utils.data import Dataset, Subset
 
 from elastic.loop import TrainContext
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
+from jobs.workloads.safe_files import (
+    DataError,
+    checked_path,
+    image_folder,
+    inside,
+    load_cifar10_batch,
+)
 
 
 class SmallCNN(nn.Module):
@@ -94,21 +100,19 @@ class Cifar10(Dataset):
     nothing is downloaded."""
 
     def __init__(self, root: str, train: bool, transform: Any) -> None:
-        import pickle
-
         names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
+        directory = checked_path(root, "data_path")
         images, labels = [], []
         for name in names:
-            path = Path(root) / name
-            if not path.exists():
+            path = directory / name
+            if not path.is_file() or not inside(directory, path):
                 raise FileNotFoundError(
                     f"{path}: not a CIFAR-10 python batch (expected "
                     "data_batch_1..5 and test_batch in data_path)"
                 )
-            with path.open("rb") as f:
-                batch = pickle.load(f, encoding="bytes")
-            images.append(torch.from_numpy(batch[b"data"]).reshape(-1, 3, 32, 32))
-            labels += list(batch[b"labels"])
+            data, batch_labels = load_cifar10_batch(path)  # never the standard unpickler
+            images.append(torch.from_numpy(data).reshape(-1, 3, 32, 32))
+            labels += batch_labels
         self.images = torch.cat(images)
         self.labels = labels
         self.transform = transform
@@ -139,25 +143,29 @@ def build_datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dat
             Cifar10(hp.data_path, True, image_transforms(hp, True, CIFAR10_STATS)),
             Cifar10(hp.data_path, False, image_transforms(hp, False, CIFAR10_STATS)),
         )
-    from torchvision import datasets
-
-    train_tree = datasets.ImageFolder(
-        hp.data_path, transform=image_transforms(hp, True, IMAGENET_STATS)
+    train_tree = image_folder(
+        checked_path(hp.data_path, "data_path"),
+        "data_path",
+        image_transforms(hp, True, IMAGENET_STATS),
     )
     if hp.eval_path is not None:
-        eval_tree = datasets.ImageFolder(
-            hp.eval_path, transform=image_transforms(hp, False, IMAGENET_STATS)
+        eval_tree = image_folder(
+            checked_path(hp.eval_path, "eval_path"),
+            "eval_path",
+            image_transforms(hp, False, IMAGENET_STATS),
         )
         if eval_tree.classes != train_tree.classes:
-            raise ValueError(
-                f"eval_path classes {eval_tree.classes} differ from data_path's "
-                f"{train_tree.classes}"
+            raise DataError(
+                f"eval_path: its {len(eval_tree.classes)} classes are not the "
+                f"{len(train_tree.classes)} classes of data_path (sub-directory names differ)"
             )
         return train_tree, eval_tree
     if hp.eval_fraction == 0:
         return train_tree, None
-    eval_tree = datasets.ImageFolder(
-        hp.data_path, transform=image_transforms(hp, False, IMAGENET_STATS)
+    eval_tree = image_folder(
+        checked_path(hp.data_path, "data_path"),
+        "data_path",
+        image_transforms(hp, False, IMAGENET_STATS),
     )
     order = np.random.default_rng(hp.seed).permutation(len(train_tree))
     cut = int(len(order) * hp.eval_fraction)

@@ -5,11 +5,11 @@ built from the training texts or read from a vocabulary file."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import re
 from collections import Counter
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from elastic.loop import TrainContext
+from jobs.workloads.safe_files import DataError, admin_detail, checked_path, must_exist, read_text
 from jobs.workloads.text_classification_params import TextClassificationHyperparameters
 
 PAD, UNK, CLS = "[PAD]", "[UNK]", "[CLS]"
@@ -46,8 +47,8 @@ class Tokenizer:
         return cls(ranked[: size - len(SPECIALS)])
 
     @classmethod
-    def from_file(cls, path: str) -> Tokenizer:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    def from_file(cls, path: str, field: str = "vocab_path") -> Tokenizer:
+        lines = read_text(checked_path(path, field), field).splitlines()
         return cls([ln.strip() for ln in lines if ln.strip()])
 
     def encode(self, text: str, max_length: int) -> list[int]:
@@ -57,21 +58,28 @@ class Tokenizer:
         return ids + [self.ids[PAD]] * (max_length - len(ids))
 
 
-def read_examples(path: str) -> list[tuple[str, str]]:
-    """(text, label) pairs from a .csv with 'text' and 'label' columns or a .jsonl file."""
-    p = Path(path)
-    if p.suffix == ".jsonl":
-        rows = [json.loads(ln) for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    else:
-        with p.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
+def read_examples(path: str, field: str = "data_path") -> list[tuple[str, str]]:
+    """(text, label) pairs from a .csv with 'text' and 'label' columns or a .jsonl file.
+    Errors name the record, never quote it."""
+    p = checked_path(path, field)
+    must_exist(p, field, "file")
+    text = read_text(p, field)
+    try:
+        if p.suffix == ".jsonl":
+            rows = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        else:
+            rows = list(csv.DictReader(io.StringIO(text, newline="")))
+    except (ValueError, csv.Error) as e:
+        admin_detail(f"{path}: {type(e).__name__}: {e}")
+        kind = "JSON lines" if p.suffix == ".jsonl" else "CSV"
+        raise DataError(f"{field}: {p.name} is not valid {kind}") from None
     out = []
     for n, row in enumerate(rows, start=1):
-        if "text" not in row or "label" not in row:
-            raise ValueError(f"{path}: record {n} lacks 'text' or 'label'")
+        if not isinstance(row, dict) or "text" not in row or "label" not in row:
+            raise DataError(f"{field}: {p.name}: record {n} lacks 'text' or 'label'")
         out.append((str(row["text"]), str(row["label"])))
     if not out:
-        raise ValueError(f"{path}: no examples")
+        raise DataError(f"{field}: {p.name} holds no examples")
     return out
 
 
@@ -83,9 +91,9 @@ class EncodedTexts(Dataset):
         labels: dict[str, int],
         max_length: int,
     ) -> None:
-        unknown = sorted({y for _, y in examples} - labels.keys())
+        unknown = {y for _, y in examples} - labels.keys()
         if unknown:
-            raise ValueError(f"labels not in the training data: {unknown[:5]}")
+            raise DataError(f"eval_path: {len(unknown)} of its labels are not in the training data")
         self.ids = torch.tensor([tokenizer.encode(t, max_length) for t, _ in examples])
         self.labels = torch.tensor([labels[y] for _, y in examples])
 
@@ -137,7 +145,7 @@ def build_data(
     examples = read_examples(hp.data_path)
     labels = {y: i for i, y in enumerate(sorted({y for _, y in examples}))}
     if len(labels) < 2:
-        raise ValueError(f"{hp.data_path}: needs at least 2 distinct labels")
+        raise DataError("data_path: needs at least 2 distinct labels")
     held_out: list[int] = []
     if hp.eval_path is None and hp.eval_fraction > 0:
         order = np.random.default_rng(hp.seed).permutation(len(examples))
@@ -154,7 +162,9 @@ def build_data(
     train: Dataset = Subset(everything, train_idx)
     evaluation: Dataset | None = Subset(everything, held_out) if held_out else None
     if hp.eval_path is not None:
-        evaluation = EncodedTexts(read_examples(hp.eval_path), tokenizer, labels, hp.max_length)
+        evaluation = EncodedTexts(
+            read_examples(hp.eval_path, "eval_path"), tokenizer, labels, hp.max_length
+        )
     return train, evaluation, tokenizer, labels
 
 

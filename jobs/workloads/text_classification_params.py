@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jobs.validation import field_error
 
+VOCAB_SUFFIXES = (".txt", ".vocab")
+
 
 class TextClassificationHyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -33,7 +35,7 @@ class TextClassificationHyperparameters(BaseModel):
     vocab_path: str | None = Field(
         None,
         min_length=1,
-        description="A vocabulary file, one token per line; without it, "
+        description="A vocabulary file (.txt or .vocab), one token per line; without it, "
         "the vocabulary is built from the training texts.",
     )
     vocab_size: int = Field(20_000, ge=10, le=1_000_000, description="Most tokens kept.")
@@ -80,4 +82,13 @@ class TextClassificationHyperparameters(BaseModel):
             )
         if not self.data_path.endswith((".csv", ".jsonl")):
             raise field_error(title, "data_path", "use a .csv or .jsonl file", self.data_path)
+        if self.eval_path is not None and not self.eval_path.endswith((".csv", ".jsonl")):
+            raise field_error(title, "eval_path", "use a .csv or .jsonl file", self.eval_path)
+        if self.vocab_path is not None and not self.vocab_path.endswith(VOCAB_SUFFIXES):
+            raise field_error(
+                title,
+                "vocab_path",
+                f"use a {' or '.join(VOCAB_SUFFIXES)} file (one token per line)",
+                self.vocab_path,
+            )
         return self

@@ -89,9 +89,10 @@ def finish(api: httpx.Client, job_id: str) -> dict[str, Any]:
     )
 
 
-def final_parameters(api: httpx.Client, job_id: str) -> dict[str, torch.Tensor]:
+def final_parameters(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:
     newest = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"][-1]
-    return torch.load(Path(newest["path"]) / "state.pt", weights_only=False)["model"]
+    # The API shows a checkpoint's path relative to the job's directory under the root.
+    return torch.load(root / job_id / newest["path"] / "state.pt", weights_only=False)["model"]
 
 
 def samples_that_count(checkpoint_root: Path) -> Counter[tuple[int, int]]:
@@ -168,7 +169,9 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
         assert {i for e, i in counted if e == epoch} == set(range(DATASET))
 
     # The proof that elasticity is invisible to the model.
-    ours, reference = final_parameters(api, job["id"]), final_parameters(api, baseline["id"])
+    root = tmp_path / "checkpoints"
+    ours = final_parameters(api, job["id"], root)
+    reference = final_parameters(api, baseline["id"], root)
     assert ours.keys() == reference.keys()
     for name, ref in reference.items():
         rel = (ours[name] - ref).norm() / ref.norm()

@@ -158,10 +158,13 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
     assert [c["step"] for c in checkpoints] == [30, 40, 50]  # keep: 3
     assert all(c["size_bytes"] > 1000 for c in checkpoints)
+    # Paths are relative to the job's checkpoint directory: they say nothing of the service's.
+    job_dir = Path(server.settings.resolved_checkpoint_dir) / job["id"]
+    assert [c["path"] for c in checkpoints] == [f"step_{s:010d}" for s in (30, 40, 50)]
     for c in checkpoints:
-        assert Path(c["path"]).is_dir()
+        assert (job_dir / c["path"]).is_dir()
 
-    state = torch.load(Path(checkpoints[-1]["path"]) / "state.pt", weights_only=False)
+    state = torch.load(job_dir / checkpoints[-1]["path"] / "state.pt", weights_only=False)
     assert state["step"] == 50
     model = SmallCNN(num_classes=10)
     model.load_state_dict(state["model"])  # strict: every tensor present and shaped right

@@ -72,7 +72,8 @@ def test_text_classification_trains_sharded_over_2_workers(
     assert evals[-1][1] >= 0.9, evals
     # The sharded model was checkpointed whole: it loads into one unsharded model.
     newest = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"][-1]
-    state = torch.load(Path(newest["path"]) / "state.pt", weights_only=False)
+    job_dir = Path(server.settings.resolved_checkpoint_dir) / job["id"]
+    state = torch.load(job_dir / newest["path"] / "state.pt", weights_only=False)
     vocab = state["model"]["tokens.weight"].shape[0]
     model = TextEncoderClassifier(vocab, 2, 16, 32, 2, 1, 128, 0.0)
     model.load_state_dict(state["model"])

@@ -1,0 +1,75 @@
+"""The HTTP server's own limits, before any request reaches the app.
+
+uvicorn's default parser (httptools, when installed) takes headers of any size, and a
+client that never ends its headers holds its buffer forever. The service runs uvicorn's
+h11 parser instead, which refuses a request head over ``max_header_bytes`` (400, and the
+connection is closed), and a protocol that also closes a connection whose request head is
+not complete within ``header_timeout_s`` and refuses connections past
+``max_connections``. uvicorn's ``limit_concurrency`` answers 503 past the same number of
+requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, ClassVar
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from service.settings import Settings
+
+
+class GuardedH11Protocol(H11Protocol):
+    max_connections: ClassVar[int] = 1000
+    header_timeout_s: ClassVar[float] = 30.0
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            transport.close()  # connection_lost takes it out of the count
+            return
+        # A connection that says nothing is held to the same time as a slow request head.
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
+
+    def data_received(self, data: bytes) -> None:
+        # Bytes of a request head (none in progress): it must be complete in time.
+        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
+        super().data_received(data)
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()  # still no complete request head
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+
+def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """How ``etrain serve`` runs ``app``: its address, and the limits above."""
+    protocol = type(
+        "ServiceH11Protocol",
+        (GuardedH11Protocol,),
+        {
+            "max_connections": settings.max_connections,
+            "header_timeout_s": settings.header_timeout_s,
+        },
+    )
+    values: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level.lower(),
+        "timeout_graceful_shutdown": 5,
+        "http": protocol,
+        "h11_max_incomplete_event_size": settings.max_header_bytes,
+        "limit_concurrency": settings.max_connections,
+        **overrides,
+    }
+    return uvicorn.Config(app, **values)
