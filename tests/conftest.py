@@ -63,6 +63,8 @@ def ray_cluster() -> Iterator[ClusterPool]:
             "num_cpus": 0,
             "include_dashboard": True,
             "dashboard_host": "127.0.0.1",
+            # Not Ray's fixed 8265: another Ray on this machine may hold it.
+            "dashboard_port": free_port(),
             "_system_config": FAST_FAILURE_DETECTION,
         },
     )

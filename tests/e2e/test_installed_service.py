@@ -200,6 +200,7 @@ def service(installed: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
             "ETRAIN_API_TOKEN": TOKEN,
             "ETRAIN_DASHBOARD_DIR": (installed / "dashboard-dir").read_text(),
             "ETRAIN_RAY_NUM_CPUS": "2",
+            "ETRAIN_RAY_DASHBOARD_PORT": str(free_port()),
             "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
             "ETRAIN_LOG_LEVEL": "warning",
         }
