@@ -58,6 +58,8 @@ def load_saved(path: Path | None = None) -> Credentials | None:
 
 
 def resolve(url: str | None = None, token: str | None = None) -> Credentials:
+    if url and token:  # e.g. `etrain login`, which replaces whatever the file holds
+        return Credentials(normalize_url(url), token)
     saved = load_saved()
     chosen = normalize_url(url or os.environ.get(URL_ENV) or (saved.url if saved else DEFAULT_URL))
     if token is None:
