@@ -68,7 +68,10 @@ def _client() -> Client:
 def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    # Piped into a file or another program, rows are never folded to 80 columns.
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 10_000
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def _json(value: Any) -> None:
