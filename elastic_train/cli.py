@@ -74,6 +74,13 @@ def _console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, width=width)
 
 
+def _cells(*values: str) -> list[str]:
+    """Table cells shown as they are: a `[` in a path is text, not rich markup."""
+    from rich.markup import escape
+
+    return [escape(v) for v in values]
+
+
 def _json(value: Any) -> None:
     from elastic_train.render import json_text
 
@@ -179,7 +186,7 @@ def _follow(client: Client, job_id: str) -> int:
     ending = f"{job.id} {job.state.value}"
     if job.info.message and job.state != JobState.SUCCEEDED:
         ending += f": {job.info.message}"
-    console.print(ending, highlight=False)
+    console.print(ending, highlight=False, markup=False, soft_wrap=True)
     return 0 if job.state == JobState.SUCCEEDED else 1
 
 
@@ -204,13 +211,15 @@ def list_jobs(state: str | None, limit: int, as_json: bool) -> None:
     for j in found:
         info = j.info
         table.add_row(
-            info.id,
-            info.name,
-            info.state.value,
-            steps(info.step, info.total_steps),
-            number(info.last_loss),
-            str(info.world_size),
-            age(info.created_at),
+            *_cells(
+                info.id,
+                info.name,
+                info.state.value,
+                steps(info.step, info.total_steps),
+                number(info.last_loss),
+                str(info.world_size),
+                age(info.created_at),
+            )
         )
     _console().print(table)
 
@@ -290,7 +299,7 @@ def checkpoints(job_id: str, as_json: bool) -> None:
     for column in ("STEP", "SIZE", "SAVED", "PATH"):
         table.add_column(column, no_wrap=column != "PATH", overflow="fold")
     for c in found:
-        table.add_row(str(c.step), size(c.size_bytes), clock(c.created_at), c.path)
+        table.add_row(*_cells(str(c.step), size(c.size_bytes), clock(c.created_at), c.path))
     _console().print(table)
 
 

@@ -68,7 +68,7 @@ class FollowView:
         if event.kind == "state":
             self.state = str(event.data.get("state"))
         if event.kind in NEWS:
-            self.console.print(f"{clock(event.time)}  {describe(event)}", highlight=False, soft_wrap=True)
+            self._line(event)
         if self.progress is not None:
             self._update_bar(event)
         elif event.kind == "metrics":
@@ -108,4 +108,9 @@ class FollowView:
         elif now - self._plain_at < PLAIN_METRICS_EVERY_S:
             return
         self._plain_at = now
-        self.console.print(f"{clock(event.time)}  {describe(event)}", highlight=False, soft_wrap=True)
+        self._line(event)
+
+    def _line(self, event: Event) -> None:
+        self.console.print(
+            f"{clock(event.time)}  {describe(event)}", highlight=False, soft_wrap=True, markup=False
+        )

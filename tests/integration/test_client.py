@@ -215,6 +215,7 @@ def test_a_job_is_watched_live_and_a_cut_stream_resumes_where_it_stopped(
         assert cut_at is not None and last_seen_before_cut is not None
         resumed = [head for at, head in relay.requests if at > cut_at]
         assert resumed, "the follower did not reconnect"
+        assert "last-event-id: " in resumed[0].lower(), resumed[0]
         resumed_from = int(resumed[0].lower().split("last-event-id: ")[1].split("\r\n")[0])
         assert last_seen_before_cut <= resumed_from < stored[-1]["seq"]
         # The service also asked it to reconnect (it fell behind the 2-event buffer while

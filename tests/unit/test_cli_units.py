@@ -395,3 +395,58 @@ def test_a_command_loads_no_service_ray_or_torch(tmp_path: Path) -> None:
     )
     assert done.stdout == "1 []\n", done.stderr
     assert done.stderr == "error: could not reach http://127.0.0.1:9: connection refused\n"
+
+
+def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metrics() -> None:
+    import io
+    from datetime import UTC, datetime
+
+    from rich.console import Console
+
+    from elastic_train.progress import FollowView
+
+    out = io.StringIO()
+    now = datetime.now(UTC)
+    job = models.JobInfo.model_validate(
+        {
+            **dict.fromkeys(["message", "total_steps", "last_loss", "samples_per_s"]),
+            **dict.fromkeys(["started_at", "finished_at"]),
+            "id": "job-1",
+            "name": "n",
+            "owner": "o",
+            "workload": "w",
+            "state": "queued",
+            "world_size": 0,
+            "step": 0,
+            "restarts": 0,
+            "spec": {},
+            "created_at": now,
+            "updated_at": now,
+        }
+    )
+    with FollowView(Console(file=out, width=40), job) as view:
+        assert not view.live
+        view.show(models.Event(seq=1, kind="state", time=0.0, data={"state": "running"}))
+        for step in range(1, 51):
+            data = {"step": step, "total_steps": 50, "loss": 1.0, "world_size": 2}
+            view.show(models.Event(seq=1 + step, kind="metrics", time=0.0, data=data))
+        reason = "ValueError('[bold]x[/] [rank 1]') " + "y" * 40
+        view.show(
+            models.Event(seq=52, kind="state", time=0.0, data={"state": "failed", "reason": reason})
+        )
+    lines = [line.split("  ", 1)[1] for line in out.getvalue().splitlines()]
+    assert lines[0] == "state running"
+    assert [int(line.split()[2].split("/")[0]) for line in lines[1:-1]] == [
+        1,
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+        35,
+        40,
+        45,
+        50,
+    ]
+    assert lines[-1] == f"state failed: {reason}"  # no markup, not wrapped at 40 columns
