@@ -48,15 +48,18 @@ class EtrainGroup(click.Group):
         except ValidationError as e:
             from jobs.validation import describe
 
-            fail("; ".join(f"{x['field']}: {x['message']}" for x in describe(e.errors())), 2)
+            fail(
+                "; ".join(f"{x['field']}: {x['message']}" for x in describe(e.errors())),
+                USAGE_ERROR,
+            )
         except JobFileError as e:
             fail(str(e), USAGE_ERROR)
         except Unauthorized as e:
-            fail(f"{e.line()}; run `etrain login URL` or set ETRAIN_TOKEN", 1)
+            fail(f"{e.line()}; run `etrain login URL` or set ETRAIN_TOKEN")
         except (InvalidRequest, BadRequest) as e:
             fail(e.line(), USAGE_ERROR)
         except ElasticTrainError as e:
-            fail(str(e), 1)
+            fail(str(e))
 
 
 def _client() -> Client:
@@ -65,13 +68,11 @@ def _client() -> Client:
     return Client()
 
 
-def _console(stderr: bool = False) -> Console:
+def _console() -> Console:
     from rich.console import Console
 
     # Piped into a file or another program, rows are never folded to 80 columns.
-    stream = sys.stderr if stderr else sys.stdout
-    width = None if stream.isatty() else 10_000
-    return Console(stderr=stderr, highlight=False, width=width)
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 10_000)
 
 
 def _cells(*values: str) -> list[str]:
