@@ -41,14 +41,14 @@ run: $(RUN_STAMP) $(JS_STAMP)
 	$(VENV)/bin/etrain serve
 
 test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
-	$(VENV)/bin/ruff check service jobs elastic tests bench examples
-	$(VENV)/bin/ruff format --check service jobs elastic tests bench examples
+	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
+	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -ra --durations=15
 
 lint: $(TEST_STAMP)
-	$(VENV)/bin/ruff check service jobs elastic tests bench examples
-	$(VENV)/bin/ruff format --check service jobs elastic tests bench examples
+	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
+	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 
 clean:
 	rm -rf $(VENV) .etrain dashboards/node_modules

@@ -93,9 +93,14 @@ def test_every_copied_path_exists_in_the_build_context() -> None:
         "service",
         "jobs",
         "elastic",
+        "elastic_train",
     ]
     missing = [s for s in sources if not (ROOT / s).exists()]
     assert missing == []
+    # Every package the distribution installs is in the image (the console script's too).
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = [pattern.rstrip("*") for pattern in find["find"]["include"]]
+    assert set(packages) <= set(sources)
 
 
 def test_copied_paths_pass_the_dockerignore() -> None:
@@ -147,7 +152,7 @@ def test_it_runs_the_service_console_script_as_non_root() -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     target = scripts[commands[0][0]]
     module, _, function = target.partition(":")
-    assert (module, function) == ("service.cli", "main")
+    assert (module, function) == ("elastic_train.cli", "main")
     source = ROOT / Path(*module.split(".")).with_suffix(".py")
     assert source.is_file(), f"{target} names a module that does not exist"
     assert re.search(rf"^def {function}\(", source.read_text(), re.M)

@@ -1,0 +1,98 @@
+"""The elastic-train client: ``Client`` / ``AsyncClient`` for Python, ``etrain`` for the shell.
+
+Names are imported on first use, so that ``etrain`` commands load only what they need.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elastic_train.aio import AsyncClient, AsyncJob
+    from elastic_train.client import Client, Job
+    from elastic_train.errors import (
+        ApiError,
+        BadRequest,
+        ConfigError,
+        Conflict,
+        ConnectionFailed,
+        ElasticTrainError,
+        FieldError,
+        Forbidden,
+        InvalidRequest,
+        NotFound,
+        PayloadTooLarge,
+        RateLimited,
+        ServerError,
+        Unauthorized,
+    )
+    from elastic_train.models import Checkpoint, Event, JobInfo, LogLine, Me, MetricSeries
+    from jobs.state import JobState
+
+_WHERE = {
+    "AsyncClient": "elastic_train.aio",
+    "AsyncJob": "elastic_train.aio",
+    "Client": "elastic_train.client",
+    "Job": "elastic_train.client",
+    **dict.fromkeys(
+        [
+            "ApiError",
+            "BadRequest",
+            "ConfigError",
+            "Conflict",
+            "ConnectionFailed",
+            "ElasticTrainError",
+            "FieldError",
+            "Forbidden",
+            "InvalidRequest",
+            "NotFound",
+            "PayloadTooLarge",
+            "RateLimited",
+            "ServerError",
+            "Unauthorized",
+        ],
+        "elastic_train.errors",
+    ),
+    **dict.fromkeys(
+        ["Checkpoint", "Event", "JobInfo", "LogLine", "Me", "MetricSeries"], "elastic_train.models"
+    ),
+    "JobState": "jobs.state",
+}
+
+__all__ = [
+    "ApiError",
+    "AsyncClient",
+    "AsyncJob",
+    "BadRequest",
+    "Checkpoint",
+    "Client",
+    "ConfigError",
+    "Conflict",
+    "ConnectionFailed",
+    "ElasticTrainError",
+    "Event",
+    "FieldError",
+    "Forbidden",
+    "InvalidRequest",
+    "Job",
+    "JobInfo",
+    "JobState",
+    "LogLine",
+    "Me",
+    "MetricSeries",
+    "NotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "ServerError",
+    "Unauthorized",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'elastic_train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
