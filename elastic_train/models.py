@@ -82,9 +82,20 @@ class MetricSeries(_Answer):
     columns: dict[str, list[float | int | None]]
 
 
+class Limits(_Answer):
+    """A user's limits as the service applies them; None: no limit."""
+
+    max_active_jobs: int
+    max_workers: int | None = None
+    max_cpus: float | None = None
+    max_gpus: int | None = None
+    max_wall_time_s: float | None = None
+
+
 class Me(_Answer):
     user: str
     role: str
+    limits: Limits | None = None
 
 
 def log_lines(event: Event) -> list[LogLine]:

@@ -285,6 +285,7 @@ def test_the_client_reads_what_the_service_sends() -> None:
         (models.LogLine, schemas.LogLine),
         (models.MetricSeries, schemas.MetricSeries),
         (models.Me, schemas.Me),
+        (models.Limits, schemas.Limits),
     ]
     for ours, theirs in pairs:
         assert list(ours.model_fields) == list(theirs.model_fields), ours.__name__
