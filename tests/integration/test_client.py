@@ -307,7 +307,18 @@ def test_refusals_are_typed_errors_naming_the_problem(live: LiveServer) -> None:
         with live.client() as admin:
             user_token = create_user_token(admin, "client-user")
     with Client(live.url, user_token) as user:
-        assert user.me().model_dump() == {"user": "client-user", "role": "user"}
+        # An ordinary user sees the service's default limits, which apply to them.
+        assert user.me().model_dump() == {
+            "user": "client-user",
+            "role": "user",
+            "limits": {
+                "max_active_jobs": 10,
+                "max_cpus": None,
+                "max_gpus": None,
+                "max_wall_time_s": 604800.0,
+                "max_workers": None,
+            },
+        }
         with pytest.raises(Forbidden) as forbidden:
             user.request("GET", "/v1/users")
         assert forbidden.value.status == 403

@@ -4,6 +4,7 @@ killed) and come back, while jobs submitted over HTTP train on."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -244,7 +245,8 @@ def test_a_job_that_keeps_failing_stops_after_max_restarts(
     job = api.post("/v1/jobs", json=spec).json()
     done = finish(api, job["id"])
     assert done["state"] == "failed" and done["restarts"] == 1
-    assert done["message"].startswith("rank 0: FileNotFoundError: ")
+    # Every rank fails the same way; whichever reports first names itself.
+    assert re.match(r"rank [0-2]: FileNotFoundError: ", done["message"])
     assert str(tmp_path / "nope") in done["message"]
     assert done["message"].endswith("(gave up after 1 restart; max_restarts is 1)")
     assert states(api, job["id"]) == ["queued", "starting", "recovering", "failed"]
