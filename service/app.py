@@ -16,7 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from swagger_ui_bundle import swagger_ui_path
 
 from jobs import launcher
-from service import api, cluster_api, dashboard, problems, users_api
+from service import api, cluster_api, dashboard, metrics, problems, users_api
 from service.auth import BOOTSTRAP_ADMIN, RateLimiter, resolve_admin_token
 from service.control import JobControl
 from service.limits import BodySizeLimit, NulInPath
@@ -69,12 +69,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.hub = Hub(settings.sse_client_buffer, settings.max_streams_per_token)
     app.state.admin_token, _ = resolve_admin_token(settings)
     app.state.rate_limiter = RateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.metrics = metrics.ServiceMetrics(app.state.store)
+    app.state.hub.observe(app.state.metrics.observe_events)
     problems.install(app)
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(NulInPath)
+    app.add_middleware(metrics.HttpMetrics, metrics=app.state.metrics)  # outermost: sees all
     app.include_router(api.router)
     app.include_router(users_api.router)
     app.include_router(cluster_api.router)
+    app.include_router(metrics.router)
     # Swagger UI from the PyPI package's files: /docs works with no internet.
     app.mount("/docs-assets", StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
 

@@ -69,6 +69,11 @@ class Settings(BaseSettings):
         description="The bearer token every API call must carry. Unset: one is generated on "
         "first start, stored in data_dir/admin-token and printed.",
     )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="A scrape-only bearer token for GET /metrics (for Prometheus), so the "
+        "scraper needs no admin token. Unset: only admin tokens may read /metrics.",
+    )
     max_body_bytes: int = Field(
         1_048_576,
         ge=1024,

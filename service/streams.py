@@ -75,6 +75,7 @@ class Hub:
         self._everyone: set[Subscription] = set()
         self._streams: Counter[str] = Counter()
         self.closing = False
+        self._observers: list[Callable[[str, list[dict[str, Any]]], None]] = []
 
     def claim_stream(self, token: str) -> bool:
         """Take one of ``token``'s stream slots; False when all are taken."""
@@ -118,7 +119,14 @@ class Hub:
             if not subs:
                 del self._jobs[job_id]
 
+    def observe(self, observer: Callable[[str, list[dict[str, Any]]], None]) -> None:
+        """Also hand every published batch to ``observer`` (the metrics), readers or not."""
+        self._observers.append(observer)
+
     def publish(self, job_id: str, events: Iterable[dict[str, Any]]) -> None:
+        events = list(events)
+        for observer in self._observers:
+            observer(job_id, events)
         subs = list(self._jobs.get(job_id, ()))
         if not subs:
             return
