@@ -256,3 +256,14 @@ envFrom:
 {{- define "etrain.ray.podSecurityContext" -}}
 {{- toYaml .Values.ray.kuberay.podSecurityContext }}
 {{- end }}
+
+{{/* The scrape token is served when metrics or the ServiceMonitor are on. */}}
+{{- define "etrain.metricsEnabled" -}}
+{{- if or .Values.metrics.enabled .Values.metrics.serviceMonitor.enabled }}true{{ end }}
+{{- end }}
+{{- define "etrain.metricsTokenSecretName" -}}
+{{- default (printf "%s-metrics-token" (include "etrain.fullname" .)) .Values.metrics.existingSecret }}
+{{- end }}
+{{- define "etrain.metricsTokenSecretKey" -}}
+{{- if .Values.metrics.existingSecret }}{{ .Values.metrics.existingSecretKey }}{{ else }}metrics-token{{ end }}
+{{- end }}
