@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError
 
 from elastic import capacity
 from elastic.supervisor import Supervisor, SupervisorPlan
-from jobs import isolation
+from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
 from jobs.state import TRANSITIONS, JobState
 from jobs.workloads import WORKLOADS
@@ -62,6 +62,7 @@ def connect(
     if address:
         # Read by Ray's C++ token loader at init: it must be in the environment first.
         os.environ.update(ray_auth_env(auth_token, auth_token_path))
+        ray_auth.check_token(address, bool(auth_token or auth_token_path))
         ray.init(address=address, namespace=namespace, log_to_driver=False)
         return
     keep_ray_on_loopback()

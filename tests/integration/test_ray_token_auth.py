@@ -1,0 +1,177 @@
+"""The service against a real Ray head started with token authentication
+(`RAY_AUTH_MODE=token`), as `ray start` runs it on a cluster: with the right token a job
+runs to the end; with a wrong token, or none, `etrain serve` stops at start with a sentence
+saying the token was refused. Everything on loopback; the head is this module's own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import TOKEN, free_port, small_job, wait_for
+
+RAY_TOKEN = "elastic-train-test-ray-token-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without any Ray or service settings of the test session,
+    with Ray kept on loopback addresses (as jobs.launcher.keep_ray_on_loopback does): the
+    head and the service's driver must agree on the node's address."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
+    return env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="module")
+def token_head() -> Iterator[str]:
+    """A Ray head with token auth in its own process group (killed whole at the end)."""
+    port = free_port()
+    # Ray's socket paths must stay short: a fresh directory right under /tmp.
+    temp = tempfile.mkdtemp(prefix="etok-", dir="/tmp")
+    env = _clean_env() | {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": RAY_TOKEN,
+    }
+    ray = str(Path(sys.executable).with_name("ray"))
+    head = subprocess.Popen(
+        [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={temp}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        probe = [sys.executable, "-c", f"import ray; ray.init(address='{address}')"]
+        wait_for(
+            lambda: (
+                head.poll() is None
+                and subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0
+            ),
+            timeout=120,
+            interval=1,
+            what="the token-auth Ray head to accept its token",
+        )
+        yield address
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+        head.wait(timeout=30)
+
+
+def _serve(tmp: Path, address: str, ray_token: str | None) -> tuple[subprocess.Popen[str], str]:
+    port = free_port()
+    env = _clean_env() | {
+        "ETRAIN_PORT": str(port),
+        "ETRAIN_DATA_DIR": str(tmp / "service"),
+        "ETRAIN_CHECKPOINT_DIR": str(tmp / "checkpoints"),
+        "ETRAIN_API_TOKEN": TOKEN,
+        "ETRAIN_RAY_ADDRESS": address,
+        "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+    }
+    if ray_token is not None:
+        env["ETRAIN_RAY_AUTH_TOKEN"] = ray_token
+    etrain = str(Path(sys.executable).with_name("etrain"))
+    proc = subprocess.Popen(
+        [etrain, "serve"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_with_the_right_token_the_readme_job_succeeds(token_head: str, tmp_path: Path) -> None:
+    proc, url = _serve(tmp_path, token_head, RAY_TOKEN)
+    try:
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+        ) as api:
+
+            def ready() -> bool:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                try:
+                    return api.get("/readyz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
+            job = api.post("/v1/jobs", json=small_job()).json()
+            done = wait_for(
+                lambda: (
+                    (j := api.get(f"/v1/jobs/{job['id']}").json())["state"]
+                    in ("succeeded", "failed", "cancelled")
+                    and j
+                ),
+                timeout=240,
+                what="the job to end",
+            )
+            assert (done["state"], done["step"]) == ("succeeded", 50)
+            # It ran on the token head: one loopback node of 2 CPUs.
+            nodes = api.get("/v1/cluster").json()["nodes"]
+            assert [(n["address"], n["total"]["CPU"]) for n in nodes] == [("127.0.0.1", 2.0)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("ray_token", "says"),
+    [
+        (
+            "not-the-token",
+            "the Ray cluster at {address} refused the Ray auth token "
+            "(ETRAIN_RAY_AUTH_TOKEN or ETRAIN_RAY_AUTH_TOKEN_PATH)",
+        ),
+        (
+            None,
+            "the Ray cluster at {address} requires token authentication: set "
+            "ETRAIN_RAY_AUTH_TOKEN (or ETRAIN_RAY_AUTH_TOKEN_PATH) to its token",
+        ),
+    ],
+    ids=["wrong-token", "no-token"],
+)
+def test_a_refused_token_stops_the_service_saying_so(
+    token_head: str, tmp_path: Path, ray_token: str | None, says: str
+) -> None:
+    began = time.monotonic()
+    proc, _ = _serve(tmp_path, token_head, ray_token)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert says.format(address=token_head) in out
+    # Told at once, not after ray.init's 20 s of retries.
+    assert time.monotonic() - began < 20
