@@ -184,6 +184,9 @@ class TrainContext:
         self.dtype: torch.dtype | None = None
         # Anything picklable a loop wants back after a restore (saved with each checkpoint).
         self.state: dict[str, Any] = {}
+        if worker.rank == 0:
+            # Before anyone writes: what a writer killed mid-checkpoint left behind.
+            worker.checkpoints.clean_orphans()
         # The generators are restored when training starts, after the loop has built
         # (and seeded) its model.
         self._restored = worker.restore(set_rng=False)

@@ -120,7 +120,10 @@ class WorkerContext:
                 "created_at": info.created_at,
             },
         )
-        for removed in self.checkpoints.prune(self.keep):
+        pruned = self.checkpoints.prune(self.keep, protect=step)
+        for bad, why, _ in pruned.set_aside:
+            self.emit("checkpoint_corrupt", {"step": bad.step, "path": bad.path, "reason": why})
+        for removed in pruned.removed:
             self.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
         return info
 
@@ -129,6 +132,8 @@ class WorkerContext:
         otherwise, the random generators as they were when it was saved)."""
         if not self.resume_path:
             return None
+        # The supervisor verified it when it chose it; storage may have changed since.
+        self.checkpoints.verify(self.resume_path)
         state = torch.load(
             Path(self.resume_path) / STATE_FILE, map_location="cpu", weights_only=False
         )
