@@ -139,6 +139,10 @@ class CheckpointDir:
     def verify(self, path: str | os.PathLike[str]) -> None:
         """Raise :class:`CorruptCheckpoint` unless every part matches the manifest."""
         name = Path(path).name
+        if Path(path).parent.resolve() != self.root.resolve():
+            # Another job's directory (a checkpoint a new job starts from).
+            CheckpointDir(Path(path).parent).verify(path)
+            return
         manifest = self.storage.read_manifest(name)
         if manifest is None:
             raise CorruptCheckpoint(f"{name}: unreadable manifest")

@@ -28,25 +28,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from elastic.checkpoint_manager import CheckpointManager
+from elastic.checkpoint_state import (
+    RankRng,
+    ReplicatedModel,
+    ReplicatedOptimizer,
+    ShardedModel,
+    ShardedOptimizer,
+    Value,
+)
 from elastic.distributed import (
     DistributedOptions,
     LocalSGD,
     Precision,
-    full_state,
     gradient_sync,
     is_sharded,
-    load_optimizer,
     unwrap,
     wrap_model,
 )
 from elastic.sampling import SamplerPosition, advance, rank_indices, share, steps_per_epoch
 from elastic.schedule import lr_factor
-from elastic.worker import (
-    WorkerContext,
-    position_from_dict,
-    position_to_dict,
-    set_rng_state,
-)
+from elastic.worker import WorkerContext
 
 LossPerSample = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -182,27 +184,50 @@ class TrainContext:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.dtype: torch.dtype | None = None
-        # Anything picklable a loop wants back after a restore (saved with each checkpoint).
+        # What a loop wants back after a restore, saved with each checkpoint: tensors,
+        # numbers, strings, and lists, tuples and dicts of them (checkpoints load with
+        # ``weights_only=True``).
         self.state: dict[str, Any] = {}
+        self.step = 0
+        self.position = SamplerPosition()
         if worker.rank == 0:
             # Before anyone writes: what a writer killed mid-checkpoint left behind.
             worker.checkpoints.clean_orphans()
-        # The generators are restored when training starts, after the loop has built
-        # (and seeded) its model.
-        self._restored = worker.restore(set_rng=False)
-        self.step = int(self._restored["step"]) if self._restored else 0
-        self.position = (
-            position_from_dict(self._restored["sampler"]) if self._restored else SamplerPosition()
+        self.checkpoints = CheckpointManager(worker)
+        parts = self.checkpoints.state
+        parts.register("step", Value(lambda: self.step, self._set_step))
+        parts.register(
+            "sampler",
+            Value(
+                lambda: self.position.to_dict(),
+                lambda d: setattr(self, "position", SamplerPosition.from_dict(d)),
+            ),
         )
-        if self._restored:
-            self.state = dict(self._restored.get("user") or {})
-            self.precision.load_state_dict(self._restored.get("grad_scaler"))
+        parts.register(
+            "user", Value(lambda: self.state, lambda d: setattr(self, "state", dict(d or {})))
+        )
+        parts.register(
+            "grad_scaler", Value(self.precision.state_dict, self.precision.load_state_dict)
+        )
         self._extra_metrics: dict[str, Any] = {}
         self._trained: int | None = None
         self._totals = torch.zeros(2, dtype=torch.float64)
         self._step_global_batch = 1  # the global batch of the step just taken
         self._final_step: int | None = None
         self._micro = 1
+
+    def _set_step(self, step: int) -> None:
+        self.step = self.worker.completed_step = int(step)
+
+    @property
+    def _restored(self) -> dict[str, Any] | None:
+        return self.checkpoints.restored
+
+    @property
+    def _sharded_checkpoint(self) -> bool:
+        # The strategy, not the wrapper: an FSDP job resumed on one worker (unwrapped)
+        # still reads and writes the sharded layout.
+        return self.options.strategy == "fsdp"
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> TrainContext:
@@ -229,9 +254,14 @@ class TrainContext:
         if dtype is not None:
             model = model.to(dtype)
         self.dtype = dtype or next((p.dtype for p in model.parameters()), torch.float32)
-        if self._restored:
-            model.load_state_dict(self._restored["model"])
-        self.model = wrap_model(model, self.options, self.device)
+        if self._sharded_checkpoint:
+            # Sharded: wrapped first, then each rank loads the pieces of its shards.
+            self.model = wrap_model(model, self.options, self.device)
+            self.checkpoints.state.register("model", ShardedModel(self.model), sharded=True)
+        else:
+            # Loaded whole before DDP's wrapper broadcasts rank 0's copy.
+            self.checkpoints.state.register("model", ReplicatedModel(model))
+            self.model = wrap_model(model, self.options, self.device)
         return self.model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -241,8 +271,11 @@ class TrainContext:
                 "call ctx.prepare_model first: the optimizer must hold the "
                 "prepared model's parameters"
             )
-        if self._restored:
-            load_optimizer(self.model, optimizer, self._restored["optimizer"])
+        if self._sharded_checkpoint:
+            part: Any = ShardedOptimizer(self.model, optimizer)
+            self.checkpoints.state.register("optimizer", part, sharded=True)
+        else:
+            self.checkpoints.state.register("optimizer", ReplicatedOptimizer(optimizer))
         self.optimizer = optimizer
         return optimizer
 
@@ -283,8 +316,7 @@ class TrainContext:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps)
         )
-        if self._restored and self._restored.get("scheduler"):
-            self.scheduler.load_state_dict(self._restored["scheduler"])
+        if self.checkpoints.state.register("scheduler", self.scheduler):
             # Making the scheduler set the lr of step 0; the restored step's lr is the one.
             for group, lr in zip(
                 self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
@@ -303,8 +335,11 @@ class TrainContext:
             pin_memory=self.device.type == "cuda",
         )
         samples = _SampleLog(self.worker, record_samples)
-        if self._restored:
-            set_rng_state(self._restored.get("rng"))
+        # After the loop has built (and seeded alike) its model: from here on each rank
+        # draws from its own streams, restored or seeded apart.
+        rng = RankRng(self.rank, seed, lambda: self.step, self.checkpoints.gather)
+        if not self.checkpoints.state.register("rng", rng):
+            rng.load_state_dict(None)
         first_step = self.step + 1
         window_start, window_samples = time.perf_counter(), 0
         self.model.train()
@@ -378,6 +413,7 @@ class TrainContext:
                     loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
                 self.precision.backward(loss)
         self.precision.step(optimizer)
+        self.worker.completed_step = batch.step
         self.scheduler.step()
         # Local SGD averages every H steps and at the end, so the final model is the
         # average; submission makes checkpoint.every_steps a multiple of H, so every
@@ -476,28 +512,18 @@ class TrainContext:
         self._extra_metrics = {}
 
     def _checkpoint(self, last_step: int) -> None:
-        model, optimizer = self.model, self.optimizer
-        assert model is not None and optimizer is not None and self.scheduler is not None
-        model_state, optimizer_state = full_state(model, optimizer)  # collective for FSDP
+        # Training waits only for the copy to CPU; the write goes on in the background.
+        self.checkpoints.save(self.step)
         pause = False
-        if self.rank == 0:
-            self.worker.save(
-                self.step,
-                {
-                    "model": model_state,
-                    "optimizer": optimizer_state,
-                    "scheduler": self.scheduler.state_dict(),
-                    "grad_scaler": self.precision.state_dict(),
-                    "step": self.step,
-                    "sampler": position_to_dict(self.position),
-                    "user": self.state,
-                },
-            )
-            pause = self.step < last_step and self.worker.should_pause(self.step)
+        if self.rank == 0 and self.step < last_step:
+            pause = self.worker.should_pause(self.step)
         if self.world_size > 1 and self.step < last_step:
             flag = torch.tensor([1.0 if pause else 0.0], device=self.device)
             dist.all_reduce(flag)
             pause = bool(flag.item() > 0)
+        if pause or self.step == last_step:
+            # The next attempt starts from this checkpoint: it must be published first.
+            self.checkpoints.wait()
         if pause:
             raise PausedForResize(self.step)
 
@@ -513,6 +539,8 @@ def run_with_context(
         train_loop(config, ctx)
     except PausedForResize:
         return
+    # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
+    ctx.checkpoints.wait()
 
 
 __all__ = ["PausedForResize", "StepBatch", "TrainContext", "run_with_context", "unwrap"]

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from elastic.checkpoint_manager import load_model
 from elastic.distributed import is_sharded, unwrap
 from elastic.loop import TrainContext, run_with_context
 from elastic.worker import WorkerContext
@@ -72,6 +73,8 @@ def fact_loop(config: dict[str, Any], ctx: TrainContext) -> None:
         ctx.train_step(batch, nn.CrossEntropyLoss(reduction="none"))
         params.append(flat(model).tolist())
     facts["params"] = params
+    head = unwrap(model).head.weight  # type: ignore[union-attr]
+    facts["head"] = getattr(head, "_local_tensor", head).detach().flatten().tolist()
     facts["head_dtypes"] = sorted(head_dtypes)
     facts["wrapper"] = type(model).__name__
     facts["sharded"] = is_sharded(model)
@@ -172,10 +175,19 @@ def test_fsdp_shards_the_parameters_and_checkpoints_the_whole_model(runs: dict) 
     assert rank0["local_numel"] + rank1["local_numel"] == full
     assert abs(rank0["local_numel"] - rank1["local_numel"]) < full // 10
     assert rank0["params"][-1] != rank1["params"][-1]  # different shards
-    state = torch.load(Path(rank0["root"]) / "step_0000000024" / "state.pt", weights_only=False)
+    # Each rank wrote its own shards (nobody gathered the model); they load into one
+    # plain model.
+    checkpoint = Path(rank0["root"]) / "step_0000000024"
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert "model" not in state and "optimizer" not in state
+    pieces = sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp"))
+    assert pieces == ["__0_0.distcp", "__1_0.distcp"]
     model = build_model(ImageClassificationHyperparameters.model_validate(HP))
-    model.load_state_dict(state["model"])  # the whole model, in the plain layout
-    assert sum(t.numel() for t in state["model"].values()) == full
+    torch.nn.init.zeros_(model.head.weight)
+    load_model(checkpoint, model)
+    assert flat(model).numel() == full
+    assert rank0["params"][-1] + rank1["params"][-1] != []
+    assert torch.equal(model.head.weight.flatten(), torch.tensor(rank0["head"] + rank1["head"]))
 
 
 def test_local_sgd_averages_exactly_every_h_steps(runs: dict) -> None:

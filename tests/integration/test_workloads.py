@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from elastic.checkpoint_manager import load_model
 from elastic.loop import run_with_context
 from elastic.worker import WorkerContext
 from examples import custom_train_loop
@@ -70,13 +71,24 @@ def test_text_classification_trains_sharded_over_2_workers(
     evals = [(m["step"], m["eval_accuracy"]) for m in reports if "eval_accuracy" in m]
     assert [s for s, _ in evals] == [15, 30, 45, 60]  # after each epoch
     assert evals[-1][1] >= 0.9, evals
-    # The sharded model was checkpointed whole: it loads into one unsharded model.
+    # Each rank checkpointed its own shards; they load into one unsharded model.
     newest = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"][-1]
     job_dir = Path(server.settings.resolved_checkpoint_dir) / job["id"]
-    state = torch.load(job_dir / newest["path"] / "state.pt", weights_only=False)
-    vocab = state["model"]["tokens.weight"].shape[0]
+    checkpoint = job_dir / newest["path"]
+    assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert state["step"] == steps and "model" not in state
+    from torch.distributed.checkpoint import FileSystemReader
+
+    layout = FileSystemReader(str(checkpoint / "sharded")).read_metadata().state_dict_metadata
+    vocab = layout["model.tokens.weight"].size[0]  # type: ignore[union-attr]
     model = TextEncoderClassifier(vocab, 2, 16, 32, 2, 1, 128, 0.0)
-    model.load_state_dict(state["model"])
+    before = model.tokens.weight.detach().clone()
+    load_model(checkpoint, model)
+    assert not torch.equal(model.tokens.weight, before)
 
 
 def test_the_image_workload_learns_real_digits_on_2_workers(
@@ -140,8 +152,8 @@ def test_the_documented_custom_loop_trains_and_resumes(tmp_path: Path) -> None:
     run_with_context(custom_train_loop.train_loop, spec.train_config(), resumed)
     steps = [d["step"] for k, d in resumed.local_events if k == "metrics"]
     assert steps[0] == 65 and steps[-1] == 128
-    ours = torch.load(tmp_path / "b" / "step_0000000128" / "state.pt", weights_only=False)
-    ref = torch.load(tmp_path / "a" / "step_0000000128" / "state.pt", weights_only=False)
+    ours = torch.load(tmp_path / "b" / "step_0000000128" / "state.pt", weights_only=True)
+    ref = torch.load(tmp_path / "a" / "step_0000000128" / "state.pt", weights_only=True)
     for name, tensor in ref["model"].items():
         assert torch.equal(ours["model"][name], tensor), name
 

@@ -170,11 +170,15 @@ def test_saving_a_step_again_replaces_it_and_readers_always_see_one(tmp_path: Pa
 
 
 def test_a_worker_re_verifies_the_checkpoint_it_loads(tmp_path: Path) -> None:
+    import torch
+
+    from elastic.checkpoint_manager import STATE_FILE, CheckpointManager
     from elastic.worker import WorkerContext
 
-    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=10)
-    info = worker.save(10, {"step": 10})
+    info = CheckpointDir(tmp_path).save(10, lambda d: torch.save({"step": 10}, d / STATE_FILE))
+    fine = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=10, resume_path=info.path)
+    assert CheckpointManager(fine).restored == {"step": 10}
     corrupt(info.path)
     resumed = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=10, resume_path=info.path)
     with pytest.raises(CorruptCheckpoint, match=r"state\.pt fails its checksum"):
-        resumed.restore()
+        CheckpointManager(resumed)

@@ -1,0 +1,205 @@
+"""Saving and restoring a worker's checkpoints, off the training's critical path.
+
+At a checkpoint step every rank copies its state to CPU memory; that copy is all training
+waits for. A background thread then writes, fsyncs, hashes, publishes (the manifest last,
+then the rename) and prunes, while training goes on; at most one write is in flight, so a
+write slower than the checkpoint interval makes the next checkpoint wait rather than pile
+up copies in memory. ``checkpoint_saved`` is sent when the write is published, not before.
+
+Replicated parts go into ``state.pt``, written by rank 0 alone. Sharded parts (FSDP's model
+and optimizer) go into ``sharded/``, each rank writing its own pieces with
+``torch.distributed.checkpoint`` over a Gloo group of their own (the training's group is
+busy with training meanwhile); nobody gathers the whole model, and a restore at any world
+size reads only the pieces that rank needs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint_state import CheckpointState
+from elastic.worker import WorkerContext
+
+STATE_FILE = "state.pt"
+SHARDED_DIR = "sharded"
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor in CPU memory that training can no longer change
+    (a CPU tensor is cloned: training would otherwise overwrite it mid-write)."""
+    if isinstance(obj, torch.Tensor):
+        return _tensor_copy(obj)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_copy(v) for v in obj)
+    return obj  # numbers, strings, None: immutable
+
+
+def _tensor_copy(t: torch.Tensor) -> torch.Tensor:
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            local = t.to_local().detach().to("cpu", copy=True)
+            return DTensor.from_local(
+                local,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+    return t.detach().to("cpu", copy=True)
+
+
+def load_model(checkpoint: str | Path, model: torch.nn.Module) -> torch.nn.Module:
+    """Put a checkpoint's model into a plain ``model`` on this process (no process group,
+    either layout): to evaluate or export what a job trained."""
+    path = Path(checkpoint)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    if "model" in state:
+        model.load_state_dict(state["model"])
+        return model
+    import torch.distributed.checkpoint as dcp
+
+    wanted = {"model": model.state_dict()}
+    dcp.load(wanted, checkpoint_id=str(path / SHARDED_DIR), no_dist=True)
+    model.load_state_dict(wanted["model"])
+    return model
+
+
+class BackgroundWriter:
+    """One write at a time on a thread of its own; its failure surfaces at the next
+    ``submit`` or ``wait`` (on the training thread, which then ends the attempt)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # handed to the training thread
+                self._error = e
+
+        # A daemon: a worker that is being torn down does not wait for a write; what it
+        # leaves half-done is a staging directory, cleaned at the next start.
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class CheckpointManager:
+    def __init__(self, worker: WorkerContext) -> None:
+        self.worker = worker
+        self.dir = worker.checkpoints
+        self.writer = BackgroundWriter()
+        self.group: Any = None
+        if dist.is_available() and dist.is_initialized():
+            # Collective: every rank builds it at the same point (the context's start).
+            self.group = dist.new_group(backend="gloo")
+        self.resume_path = Path(worker.resume_path) if worker.resume_path else None
+        restored = self._load() if self.resume_path else None
+        self.state = CheckpointState(restored, self._load_sharded if restored is not None else None)
+
+    @property
+    def restored(self) -> dict[str, Any] | None:
+        return self.state.restored  # type: ignore[return-value]
+
+    # -- restore -------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, Any]:
+        assert self.resume_path is not None
+        # The supervisor verified it when it chose it; storage may have changed since.
+        self.dir.verify(self.resume_path)
+        state = torch.load(self.resume_path / STATE_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.resume_path}: {STATE_FILE} holds no state dict")
+        return state
+
+    def _load_sharded(self, name: str, template: Any) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        assert self.resume_path is not None
+        wanted = {name: template}
+        # Each rank reads the pieces its template's shards cover: a reshard when the
+        # world size changed.
+        dcp.load(wanted, checkpoint_id=str(self.resume_path / SHARDED_DIR))
+        return wanted[name]
+
+    # -- save ----------------------------------------------------------------------------
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, on rank 0 (others get an empty list)."""
+        if self.group is None or self.worker.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.worker.world_size if self.worker.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out or []
+
+    def save(self, step: int) -> None:
+        """Collective: snapshot every part to CPU, then write in the background."""
+        replicated = self.state.replicated_state()  # every rank: the RNG part gathers
+        sharded = cpu_copy(self.state.sharded_state()) if self.state.sharded else {}
+        snapshot = cpu_copy(replicated) if self.worker.rank == 0 else None
+        if snapshot is None and not sharded:
+            return  # a replica: rank 0 writes the replicated state
+        self.writer.submit(lambda: self._write(step, snapshot, sharded))
+
+    def wait(self) -> None:
+        """Until the write in flight is published (or raise its failure)."""
+        self.writer.wait()
+
+    def _write(self, step: int, replicated: dict[str, Any] | None, sharded: dict[str, Any]) -> None:
+        # The same staging name on every rank: the sharded pieces meet in one directory.
+        with self.dir.staging(step, f"attempt-{self.worker.attempt}") as staged:
+            if sharded:
+                import torch.distributed.checkpoint as dcp
+
+                # Returns on rank 0 once every rank's pieces and the metadata are written.
+                dcp.save(sharded, checkpoint_id=str(staged / SHARDED_DIR), process_group=self.group)
+            if replicated is None:
+                return  # rank 0 publishes
+            torch.save(replicated, staged / STATE_FILE)
+            info = self.dir.publish(step, staged)
+        self.worker.emit(
+            "checkpoint_saved",
+            {
+                "step": step,
+                "path": info.path,
+                "size_bytes": info.size_bytes,
+                "created_at": info.created_at,
+                "completed_step": self.worker.completed_step,
+            },
+        )
+        pruned = self.dir.prune(self.worker.keep, protect=step)
+        for bad, why, _ in pruned.set_aside:
+            self.worker.emit(
+                "checkpoint_corrupt", {"step": bad.step, "path": bad.path, "reason": why}
+            )
+        for removed in pruned.removed:
+            self.worker.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
