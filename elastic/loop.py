@@ -80,8 +80,15 @@ class StepBatch:
     inputs: Any
     targets: torch.Tensor
     global_batch: int  # samples in the step across all ranks
-    indices: list[int]
+    indices: list[int]  # this rank's samples (none when a short last batch left it none)
     ends_epoch: bool  # the last step of its epoch: a place for a held-out evaluation
+    # Rows of ``inputs`` that are samples; an empty share holds one padding row instead
+    # (the dataset's first sample, counted with weight zero).
+    real: int = -1
+
+    def __post_init__(self) -> None:
+        if self.real < 0:
+            self.real = len(self.indices)
 
 
 def total_steps(settings: LoopSettings, dataset_size: int) -> int:
@@ -100,6 +107,21 @@ def micro_batches(share_size: int, micro_batch_size: int) -> list[tuple[int, int
     return [
         (i, min(i + micro_batch_size, share_size)) for i in range(0, share_size, micro_batch_size)
     ]
+
+
+def passes_per_step(global_batch: int, world_size: int, micro_batch_size: int) -> int:
+    """Forward/backward passes every rank runs for a step: as many as the largest share
+    needs. FSDP gathers parameters in every pass and DDP arms its hooks in the last, so
+    a rank with a smaller (or empty) share must still run them all."""
+    largest_share = -(-global_batch // world_size)
+    return max(1, -(-largest_share // micro_batch_size))
+
+
+def micro_batch_plan(share_size: int, micro_batch_size: int, passes: int) -> list[tuple[int, int]]:
+    """This rank's ``passes`` slices: its share's micro-batches, then padding passes
+    (``(0, 0)``: one row run with weight zero) up to the count every rank runs."""
+    slices = micro_batches(share_size, micro_batch_size)
+    return slices + [(0, 0)] * (passes - len(slices))
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -144,7 +166,9 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
             self.rank,
         ):
             self.plan.append((position, indices, batch))
-            yield indices
+            # An empty share still feeds the model one row (the dataset's first sample, at
+            # weight zero), so this rank joins every collective of the step.
+            yield indices or [0]
 
 
 class _SampleLog:
@@ -391,14 +415,20 @@ class TrainContext:
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
-        slices = micro_batches(len(targets), self._micro) or [(0, 0)]
+        passes = passes_per_step(batch.global_batch, self.world_size, self._micro)
+        slices = micro_batch_plan(batch.real, self._micro, passes)
         for n, (a, b) in enumerate(slices):
+            padding = b == a
+            if padding:
+                a, b = 0, 1  # one row through the model, weighted zero
             # Gradients are combined on the last micro-batch only; the others accumulate.
             with gradient_sync(model, sync=n == len(slices) - 1):
-                if b > a:
-                    with self.precision.autocast():
-                        outputs = model(_rows(inputs, a, b))
-                        losses = loss_per_sample(outputs, targets[a:b])
+                with self.precision.autocast():
+                    outputs = model(_rows(inputs, a, b))
+                    losses = loss_per_sample(outputs, targets[a:b])
+                if padding:
+                    loss = losses.sum() * 0.0
+                else:
                     # DDP and FSDP average over ranks; world/global makes the sum the exact
                     # mean over the global batch whatever the world size and its split.
                     loss = losses.sum() * (self.world_size / batch.global_batch)
@@ -409,8 +439,6 @@ class TrainContext:
                     ):
                         correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
                     loss_sum += losses.detach().sum()
-                else:  # a short last batch left this rank nothing: join with zeros
-                    loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
                 self.precision.backward(loss)
         self.precision.step(optimizer)
         self.worker.completed_step = batch.step

@@ -5,6 +5,7 @@ down, and the option is shown to be in effect."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from pathlib import Path
@@ -223,3 +224,85 @@ def test_a_checkpoint_from_2_workers_resumes_on_1(runs: dict, name: str, tmp_pat
     assert steps == list(range(13, STEPS + 1))
     losses = [d["loss"] for k, d in worker.local_events if k == "metrics"]
     assert sum(losses) / len(losses) < sum(runs[name][0]["losses"][:4]) / 4
+
+
+# -- unequal shares and empty shares --------------------------------------------------------
+
+UNEVEN_HP = {
+    **HP,
+    "synthetic_samples": 10,  # steps of 9 samples, then 1: a last batch smaller than the world
+    "global_batch_size": 9,
+    "max_steps": 6,
+    "dtype": "float64",
+}
+
+
+def uneven_loop(config: dict[str, Any], ctx: TrainContext) -> None:
+    hp = ImageClassificationHyperparameters.model_validate(config["hyperparameters"])
+    model = ctx.prepare_model(build_model(hp), dtype=torch.float64)
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=hp.learning_rate, momentum=0.9))
+    for batch in ctx.batches(
+        build_dataset(hp), hp.global_batch_size, max_steps=hp.max_steps, seed=hp.seed
+    ):
+        ctx.train_step(batch, nn.CrossEntropyLoss(reduction="none"))
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    else:
+        state = unwrap(model).state_dict()
+    config["_facts"]["state"] = {k: v.detach().cpu() for k, v in state.items()}
+
+
+def _uneven_worker(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A rank that runs fewer passes than another hangs the group: fail, don't wait 30 min.
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        for strategy in ("ddp", "fsdp"):
+            worker = WorkerContext.standalone(
+                rank, world, f"{root}/{strategy}", every_steps=100, max_workers=8
+            )
+            facts: dict[str, Any] = {}
+            config = {
+                "hyperparameters": UNEVEN_HP,
+                "distributed": DistributedSpec(strategy=strategy).model_dump(),
+                "_facts": facts,
+            }
+            run_with_context(uneven_loop, config, worker)
+            if rank == 0:
+                torch.save(facts["state"], f"{root}/{strategy}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unequal_and_empty_shares_train_like_one_worker(tmp_path: Path) -> None:
+    """G=9 with max_workers 8 (micro-batches of 2) on 2 workers: shares of 5 and 4 need 3
+    and 2 passes; every other step has 1 sample, so rank 1's share is empty. Both ranks run
+    the same passes (padding at weight zero), and the model is the one a single worker
+    trains, to float64 rounding."""
+    mp.spawn(_uneven_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    alone = WorkerContext.standalone(0, 1, str(tmp_path / "one"), every_steps=100, max_workers=8)
+    facts: dict[str, Any] = {}
+    run_with_context(
+        uneven_loop,
+        {
+            "hyperparameters": UNEVEN_HP,
+            "distributed": DistributedSpec().model_dump(),
+            "_facts": facts,
+        },
+        alone,
+    )
+    reference = facts["state"]
+    for strategy in ("ddp", "fsdp"):
+        state = torch.load(tmp_path / f"{strategy}.pt", weights_only=True)
+        assert state.keys() == reference.keys()
+        for name, ref in reference.items():
+            rel = float((state[name] - ref).norm() / ref.norm())
+            assert rel <= 1e-10, (strategy, name, rel)

@@ -164,3 +164,31 @@ def test_text_files_in_both_formats_read_the_same(tmp_path: Path, path: str) -> 
 
     rows = read_examples(str(sentiment.write(tmp_path / path, 10)))
     assert rows == sentiment.reviews(10, 0)
+
+
+def test_a_last_batch_smaller_than_the_world_trains_through(server: LiveServer) -> None:
+    """65 samples in batches of 64 on 2 workers: every second step has 1 sample, so one
+    worker's share is empty (it used to crash the job in the data loader)."""
+    spec = {
+        "name": "short-last-batch",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "synthetic_samples": 65,
+            "image_size": 8,
+            "num_classes": 2,
+            "epochs": 3,
+            "global_batch_size": 64,
+        },
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": 2, "keep": 1},
+    }
+    client = server.client()
+    r = client.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job = finish(client, r.json()["id"])
+    assert job["state"] == "succeeded", job
+    reports = metrics(client, job["id"])
+    assert [m["step"] for m in reports] == [1, 2, 3, 4, 5, 6]
+    assert {m["world_size"] for m in reports} == {2}
