@@ -46,7 +46,14 @@ from elastic.distributed import (
     unwrap,
     wrap_model,
 )
-from elastic.sampling import SamplerPosition, advance, rank_indices, share, steps_per_epoch
+from elastic.sampling import (
+    SamplerPosition,
+    advance,
+    rank_indices,
+    sample_seed,
+    share,
+    steps_per_epoch,
+)
 from elastic.schedule import lr_factor
 from elastic.worker import WorkerContext
 
@@ -138,6 +145,28 @@ def _rows(obj: Any, start: int, end: int) -> Any:
     return _map(obj, lambda t: t[start:end])
 
 
+class PerSampleRandom(Dataset):
+    """A dataset whose items draw random numbers (augmentations), made to draw them from
+    a generator of their own: item ``i`` of epoch ``e`` is seeded by (seed, e, i), so it is
+    augmented the same way whichever rank loads it, at any world size, before and after
+    a restore. ``ctx.batches`` tells it the epoch. Covers torch's generator (torchvision's
+    transforms draw from it)."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, self.epoch, i))
+            return self.dataset[i]
+
+
 class _StepBatches(torch.utils.data.Sampler[list[int]]):
     """Feeds the DataLoader this rank's indices for each optimizer step from a position."""
 
@@ -148,7 +177,9 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
         settings: LoopSettings,
         world_size: int,
         rank: int,
+        on_epoch: Callable[[int], None] | None = None,
     ) -> None:
+        self.on_epoch = on_epoch
         self.position = position
         self.dataset_size = dataset_size
         self.settings = settings
@@ -166,6 +197,10 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
             self.rank,
         ):
             self.plan.append((position, indices, batch))
+            if self.on_epoch is not None:
+                # The loader reads this step's items right after the yield (no worker
+                # processes, no prefetch): they see the epoch they belong to.
+                self.on_epoch(position.epoch)
             # An empty share still feeds the model one row (the dataset's first sample, at
             # weight zero), so this rank joins every collective of the step.
             yield indices or [0]
@@ -350,7 +385,14 @@ class TrainContext:
         # of them, so memory per step stays put and one optimizer step still sees the
         # global batch.
         self._micro = math.ceil(global_batch_size / self.worker.max_workers)
-        sampler = _StepBatches(self.position, dataset_size, settings, self.world_size, self.rank)
+        sampler = _StepBatches(
+            self.position,
+            dataset_size,
+            settings,
+            self.world_size,
+            self.rank,
+            getattr(dataset, "set_epoch", None),
+        )
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -571,4 +613,11 @@ def run_with_context(
     ctx.checkpoints.wait()
 
 
-__all__ = ["PausedForResize", "StepBatch", "TrainContext", "run_with_context", "unwrap"]
+__all__ = [
+    "PausedForResize",
+    "PerSampleRandom",
+    "StepBatch",
+    "TrainContext",
+    "run_with_context",
+    "unwrap",
+]

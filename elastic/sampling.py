@@ -31,6 +31,12 @@ def epoch_permutation(dataset_size: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(dataset_size)
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s randomness (its augmentations) in ``epoch``: the
+    same whichever rank draws it at whatever world size, and new each epoch."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0])
+
+
 def share(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, end) of ``rank``'s part of a batch; parts differ by at most one sample."""
     base, extra = divmod(batch_size, world_size)
