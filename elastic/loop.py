@@ -161,6 +161,12 @@ class PerSampleRandom(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
+    def __getattr__(self, name: str) -> Any:
+        # Transparent for what a loop reads of its dataset (``classes``, ``samples``).
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
     def __getitem__(self, i: int) -> Any:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(sample_seed(self.seed, self.epoch, i))
