@@ -275,6 +275,8 @@ class TrainContext:
             "grad_scaler", Value(self.precision.state_dict, self.precision.load_state_dict)
         )
         self._extra_metrics: dict[str, Any] = {}
+        # Set on every rank alike (by ``evaluate``, a collective): report at this step.
+        self._report_now = False
         self._trained: int | None = None
         self._totals = torch.zeros(2, dtype=torch.float64)
         self._step_global_batch = 1  # the global batch of the step just taken
@@ -442,7 +444,7 @@ class TrainContext:
             if (
                 self.step in (first_step, last_step)
                 or self.step % report_every_steps == 0
-                or self._extra_metrics
+                or self._report_now
             ):
                 elapsed = time.perf_counter() - window_start
                 self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
@@ -510,8 +512,9 @@ class TrainContext:
         return _map(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def report(self, **metrics: Any) -> None:
-        """Extra metrics for the current step's report. Call it on every rank (the report
-        gathers the loss across them); rank 0's values are the ones sent."""
+        """Extra metrics for the next report (this step's when it reports, as after
+        ``evaluate``). Safe on any subset of ranks: it only notes the values, and reports
+        happen on a schedule every rank shares. Rank 0's values are the ones sent."""
         self._extra_metrics.update(metrics)
 
     def evaluate(
@@ -558,6 +561,7 @@ class TrainContext:
         if loss_per_sample is not None and totals[3] > 0:
             result["eval_loss"] = float(totals[2] / totals[3])
         self._extra_metrics.update(result)
+        self._report_now = True
         return result
 
     # -- between steps -------------------------------------------------------------------
@@ -582,10 +586,12 @@ class TrainContext:
                     "learning_rate": self.scheduler.get_last_lr()[0],
                     "world_size": self.world_size,
                     "total_steps": last_step,
+                    "completed_step": self.worker.completed_step,
                     **self._extra_metrics,
                 },
             )
         self._extra_metrics = {}
+        self._report_now = False
 
     def _checkpoint(self, last_step: int) -> None:
         # Training waits only for the copy to CPU; the write goes on in the background.
@@ -615,6 +621,19 @@ def run_with_context(
         train_loop(config, ctx)
     except PausedForResize:
         return
+    except Exception:
+        if ctx.world_size > 1:
+            # This worker's first sign that the attempt failed (most often a collective
+            # that lost a peer), stamped now: recovery is timed from the earliest one.
+            ctx.worker.emit(
+                "failure_signal",
+                {
+                    "rank": ctx.rank,
+                    "time": time.time(),
+                    "completed_step": ctx.worker.completed_step,
+                },
+            )
+        raise
     # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
     ctx.checkpoints.wait()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -306,3 +307,65 @@ def test_unequal_and_empty_shares_train_like_one_worker(tmp_path: Path) -> None:
         for name, ref in reference.items():
             rel = float((state[name] - ref).norm() / ref.norm())
             assert rel <= 1e-10, (strategy, name, rel)
+
+
+# -- a report on one rank, and a collective that fails -------------------------------------
+
+
+def reporting_loop(config: dict[str, Any], ctx: TrainContext) -> None:
+    hp = ImageClassificationHyperparameters.model_validate(config["hyperparameters"])
+    model = ctx.prepare_model(build_model(hp))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    for batch in ctx.batches(
+        build_dataset(hp), 16, max_steps=10, seed=hp.seed, report_every_steps=5
+    ):
+        ctx.train_step(batch, nn.CrossEntropyLoss(reduction="none"))
+        if batch.step == 3 and ctx.rank == 1:
+            ctx.report(only_rank_1=1.0)  # not sent (rank 0's values are), must not desync
+        if batch.step == 7 and ctx.rank == 0:
+            ctx.report(only_rank_0=7.0)
+        if batch.step == config["_die_at"] and ctx.rank == 1:
+            os._exit(0)  # the process vanishes, as on a lost node
+
+
+def _report_worker(rank: int, world: int, port: int, root: str, die_at: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20)
+    )
+    worker = WorkerContext.standalone(rank, world, f"{root}/ckpt", every_steps=100)
+    config = {"hyperparameters": HP, "_die_at": die_at}
+    try:
+        run_with_context(reporting_loop, config, worker)
+        outcome = "finished"
+    except Exception as e:
+        outcome = type(e).__name__
+    Path(f"{root}/rank{rank}.json").write_text(
+        json.dumps({"outcome": outcome, "events": worker.local_events})
+    )
+
+
+def test_a_report_on_one_rank_does_not_desync_the_collectives(tmp_path: Path) -> None:
+    mp.spawn(_report_worker, args=(2, free_port(), str(tmp_path), -1), nprocs=2, join=True)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["outcome"] == "finished"
+    reports = [d for k, d in rank0["events"] if k == "metrics"]
+    assert [(d["step"], d["completed_step"]) for d in reports] == [(1, 1), (5, 5), (10, 10)]
+    assert [d.get("only_rank_0") for d in reports] == [None, None, 7.0]
+    assert not any("only_rank_1" in d for d in reports)
+    saved = [d for k, d in rank0["events"] if k == "checkpoint_saved"]
+    assert [(d["step"], d["completed_step"]) for d in saved] == [(10, 10)]
+
+
+def test_a_failed_collective_is_recorded_before_the_error_leaves(tmp_path: Path) -> None:
+    """Rank 1 vanishes at the end of step 6: rank 0's next collective fails, and it records
+    a failure_signal with the last step whose optimizer step finished, then re-raises."""
+    before = time.time()
+    mp.spawn(_report_worker, args=(2, free_port(), str(tmp_path), 6), nprocs=2, join=True)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["outcome"] != "finished"
+    (signal,) = [d for k, d in rank0["events"] if k == "failure_signal"]
+    assert (signal["rank"], signal["completed_step"]) == (0, 6)
+    assert before < signal["time"] < time.time()
+    assert not (tmp_path / "rank1.json").exists()
