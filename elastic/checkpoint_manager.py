@@ -15,6 +15,8 @@ size reads only the pieces that rank needs.
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 import threading
 from collections.abc import Callable
@@ -62,6 +64,81 @@ def _tensor_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+# What ``torch.distributed.checkpoint``'s metadata pickles name: its own records, torch's
+# sizes, dtypes and layouts, paths. Anything else in that file is refused.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module in _METADATA_MODULES
+            or (module, name) in _METADATA_NAMES
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata may not name {module}.{name}")
+        return super().find_class(module, name)
+
+
+def sharded_reader(path: str | Path) -> Any:
+    """A reader of a sharded checkpoint that never runs the standard unpickler: DCP's own
+    reader unpickles its metadata file with it (and would run what the file names)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with (Path(self.path) / ".metadata").open("rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def weights_only_planner() -> Any:
+    """DCP's load planner with its non-tensor values (an optimizer's param groups) read by
+    ``torch.load(weights_only=True)``; DCP's own reads them with ``weights_only=False``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            super().load_bytes(read_item, _as_bytes(loaded))
+
+    return Planner()
+
+
+def _as_bytes(obj: Any) -> io.BytesIO:
+    # The parent's load_bytes reads the value itself: hand it the already-vetted object
+    # re-serialised, which holds nothing ``weights_only`` would have refused.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def _load_sharded_state(wanted: dict[str, Any], path: Path, *, no_dist: bool = False) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(
+        wanted,
+        storage_reader=sharded_reader(path),
+        planner=weights_only_planner(),
+        no_dist=no_dist,
+    )
+
+
 def load_model(checkpoint: str | Path, model: torch.nn.Module) -> torch.nn.Module:
     """Put a checkpoint's model into a plain ``model`` on this process (no process group,
     either layout): to evaluate or export what a job trained."""
@@ -70,10 +147,8 @@ def load_model(checkpoint: str | Path, model: torch.nn.Module) -> torch.nn.Modul
     if "model" in state:
         model.load_state_dict(state["model"])
         return model
-    import torch.distributed.checkpoint as dcp
-
     wanted = {"model": model.state_dict()}
-    dcp.load(wanted, checkpoint_id=str(path / SHARDED_DIR), no_dist=True)
+    _load_sharded_state(wanted, path / SHARDED_DIR, no_dist=True)
     model.load_state_dict(wanted["model"])
     return model
 
@@ -142,13 +217,11 @@ class CheckpointManager:
         return state
 
     def _load_sharded(self, name: str, template: Any) -> Any:
-        import torch.distributed.checkpoint as dcp
-
         assert self.resume_path is not None
         wanted = {name: template}
         # Each rank reads the pieces its template's shards cover: a reshard when the
         # world size changed.
-        dcp.load(wanted, checkpoint_id=str(self.resume_path / SHARDED_DIR))
+        _load_sharded_state(wanted, self.resume_path / SHARDED_DIR)
         return wanted[name]
 
     # -- save ----------------------------------------------------------------------------

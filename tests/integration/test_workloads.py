@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from elastic.checkpoint_manager import load_model
+from elastic.checkpoint_manager import load_model, sharded_reader
 from elastic.loop import run_with_context
 from elastic.worker import WorkerContext
 from examples import custom_train_loop
@@ -81,9 +81,7 @@ def test_text_classification_trains_sharded_over_2_workers(
     ]
     state = torch.load(checkpoint / "state.pt", weights_only=True)
     assert state["step"] == steps and "model" not in state
-    from torch.distributed.checkpoint import FileSystemReader
-
-    layout = FileSystemReader(str(checkpoint / "sharded")).read_metadata().state_dict_metadata
+    layout = sharded_reader(checkpoint / "sharded").read_metadata().state_dict_metadata
     vocab = layout["model.tokens.weight"].size[0]  # type: ignore[union-attr]
     model = TextEncoderClassifier(vocab, 2, 16, 32, 2, 1, 128, 0.0)
     before = model.tokens.weight.detach().clone()

@@ -152,3 +152,41 @@ def test_a_failed_write_surfaces_on_the_training_thread(tmp_path: Path) -> None:
         manager.wait()
     assert not list(tmp_path.glob(".tmp-*")) and CheckpointDir(tmp_path).existing() == []
     manager.wait()  # reported once
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, ("echo pwned",))
+
+
+def test_sharded_checkpoints_load_without_the_standard_unpickler(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from elastic.checkpoint_manager import SHARDED_DIR, load_model, sharded_reader
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    checkpoint = tmp_path / "step_0000000001"
+    (checkpoint / SHARDED_DIR).mkdir(parents=True)
+    torch.save({"step": 1}, checkpoint / STATE_FILE)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save(
+        {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)},
+        checkpoint_id=str(checkpoint / SHARDED_DIR),
+        no_dist=True,
+    )
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    load_model(checkpoint, fresh)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+    (checkpoint / SHARDED_DIR / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(pickle.UnpicklingError, match=r"may not name posix\.system"):
+        sharded_reader(checkpoint / SHARDED_DIR).read_metadata()
