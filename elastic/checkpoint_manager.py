@@ -33,18 +33,28 @@ STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"
 
 
-def cpu_copy(obj: Any) -> Any:
+def cpu_copy(obj: Any, keep: frozenset[int] = frozenset()) -> Any:
     """A deep copy with every tensor in CPU memory that training can no longer change
-    (a CPU tensor is cloned: training would otherwise overwrite it mid-write)."""
+    (a CPU tensor is cloned: training would otherwise overwrite it mid-write). Tensors
+    whose storage is in ``keep`` stay as they are, to be copied later."""
     if isinstance(obj, torch.Tensor):
-        return _tensor_copy(obj)
+        return obj if _storage(obj) in keep else _tensor_copy(obj)
     if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
+        return {k: cpu_copy(v, keep) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [cpu_copy(v) for v in obj]
+        return [cpu_copy(v, keep) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(cpu_copy(v) for v in obj)
+        return tuple(cpu_copy(v, keep) for v in obj)
     return obj  # numbers, strings, None: immutable
+
+
+def _storage(t: torch.Tensor) -> int:
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t.to_local()
+    return int(t.untyped_storage().data_ptr())
 
 
 def _tensor_copy(t: torch.Tensor) -> torch.Tensor:
@@ -189,8 +199,17 @@ class BackgroundWriter:
 
 
 class CheckpointManager:
-    def __init__(self, worker: WorkerContext) -> None:
+    def __init__(
+        self,
+        worker: WorkerContext,
+        updated_in_step: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """``updated_in_step``: the tensors that change only in the optimizer step
+        (parameters, optimizer state); their copy overlaps the next forward and backward."""
         self.worker = worker
+        self.updated_in_step = updated_in_step
+        self._copied = threading.Event()
+        self._copied.set()
         self.dir = worker.checkpoints
         self.writer = BackgroundWriter()
         self.group: Any = None
@@ -235,13 +254,36 @@ class CheckpointManager:
         return out or []
 
     def save(self, step: int) -> None:
-        """Collective: snapshot every part to CPU, then write in the background."""
-        replicated = self.state.replicated_state()  # every rank: the RNG part gathers
-        sharded = cpu_copy(self.state.sharded_state()) if self.state.sharded else {}
-        snapshot = cpu_copy(replicated) if self.worker.rank == 0 else None
-        if snapshot is None and not sharded:
-            return  # a replica: rank 0 writes the replicated state
-        self.writer.submit(lambda: self._write(step, snapshot, sharded))
+        """Collective: snapshot every part to CPU, then write in the background.
+
+        What the next optimizer step changes (parameters, optimizer state: nearly all of
+        it) is copied by the writer thread while the next forward and backward run, and
+        :meth:`before_update` holds that optimizer step until the copy is done, as
+        CheckFreq does; everything else (buffers, counters, generators) is copied now."""
+        self.writer.wait()  # one write at a time (and the copy buffers it holds)
+        replicated: dict[str, Any] | None = self.state.replicated_state()  # RNG: gathers
+        sharded = self.state.sharded_state() if self.state.sharded else {}
+        if self.worker.rank != 0:
+            replicated = None
+            if not sharded:
+                return  # a replica: rank 0 writes the replicated state
+        later = frozenset(_storage(t) for t in (self.updated_in_step or list)())
+        now = cpu_copy((replicated, sharded), later)
+        self._copied.clear()
+
+        def copy_then_write() -> None:
+            try:
+                snapshot, shards = cpu_copy(now)
+            finally:
+                self._copied.set()
+            self._write(step, snapshot, shards)
+
+        self.writer.submit(copy_then_write)
+
+    def before_update(self) -> None:
+        """Called before each optimizer step: until the checkpoint's copy of the state
+        that step changes is taken."""
+        self._copied.wait()
 
     def wait(self) -> None:
         """Until the write in flight is published (or raise its failure)."""

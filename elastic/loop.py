@@ -258,7 +258,7 @@ class TrainContext:
         if worker.rank == 0:
             # Before anyone writes: what a writer killed mid-checkpoint left behind.
             worker.checkpoints.clean_orphans()
-        self.checkpoints = CheckpointManager(worker)
+        self.checkpoints = CheckpointManager(worker, self._updated_in_step)
         parts = self.checkpoints.state
         parts.register("step", Value(lambda: self.step, self._set_step))
         parts.register(
@@ -282,6 +282,16 @@ class TrainContext:
         self._step_global_batch = 1  # the global batch of the step just taken
         self._final_step: int | None = None
         self._micro = 1
+
+    def _updated_in_step(self) -> list[torch.Tensor]:
+        """Tensors only the optimizer step writes (a forward writes BatchNorm's buffers,
+        so those are not among them)."""
+        if self.model is None or self.optimizer is None:
+            return []
+        tensors = [p.data for p in self.model.parameters()]
+        for per_param in self.optimizer.state.values():
+            tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        return tensors
 
     def _set_step(self, step: int) -> None:
         self.step = self.worker.completed_step = int(step)
@@ -490,6 +500,7 @@ class TrainContext:
                         correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
                     loss_sum += losses.detach().sum()
                 self.precision.backward(loss)
+        self.checkpoints.before_update()
         self.precision.step(optimizer)
         self.worker.completed_step = batch.step
         self.scheduler.step()

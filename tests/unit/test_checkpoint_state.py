@@ -190,3 +190,26 @@ def test_sharded_checkpoints_load_without_the_standard_unpickler(tmp_path: Path)
     (checkpoint / SHARDED_DIR / ".metadata").write_bytes(pickle.dumps(_Boom()))
     with pytest.raises(pickle.UnpicklingError, match=r"may not name posix\.system"):
         sharded_reader(checkpoint / SHARDED_DIR).read_metadata()
+
+
+def test_parameters_are_copied_while_the_next_step_computes(tmp_path: Path) -> None:
+    """What only the optimizer step changes is copied by the writer thread; the next
+    optimizer step waits for that copy (before_update), so the checkpoint holds the state
+    of its own step."""
+    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=1)
+    storage = GatedStorage(tmp_path)
+    worker.checkpoints = CheckpointDir(tmp_path, storage)
+    param = torch.zeros(1 << 20)
+    buffer = torch.zeros(4)  # written by forwards: copied at once
+    manager = CheckpointManager(worker, lambda: [param])
+    manager.state.register("model", Value(lambda: {"w": param, "b": buffer}, lambda v: None))
+    manager.save(1)
+    buffer.add_(5)  # the next forward
+    manager.before_update()
+    param.add_(1)  # the next optimizer step
+    storage.gate.set()
+    manager.wait()
+    (saved,) = [d for k, d in worker.local_events if k == "checkpoint_saved"]
+    state = torch.load(Path(saved["path"]) / STATE_FILE, weights_only=True)
+    assert torch.equal(state["model"]["w"], torch.zeros(1 << 20))
+    assert torch.equal(state["model"]["b"], torch.zeros(4))
