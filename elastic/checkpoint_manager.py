@@ -15,6 +15,7 @@ size reads only the pieces that rank needs.
 
 from __future__ import annotations
 
+import datetime
 import io
 import pickle
 import sys
@@ -215,7 +216,9 @@ class CheckpointManager:
         self.group: Any = None
         if dist.is_available() and dist.is_initialized():
             # Collective: every rank builds it at the same point (the context's start).
-            self.group = dist.new_group(backend="gloo")
+            # Its collectives wait for the slowest rank's previous write (rank 0 also
+            # hashes and prunes), so its timeout is storage's, not the training's.
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
         self.resume_path = Path(worker.resume_path) if worker.resume_path else None
         restored = self._load() if self.resume_path else None
         self.state = CheckpointState(restored, self._load_sharded if restored is not None else None)
