@@ -319,5 +319,6 @@ class CheckpointManager:
             self.worker.emit(
                 "checkpoint_corrupt", {"step": bad.step, "path": bad.path, "reason": why}
             )
-        for removed in pruned.removed:
+        # A checkpoint moved aside is gone from the job's list as a deleted one is.
+        for removed in [*(bad for bad, _, _ in pruned.set_aside), *pruned.removed]:
             self.worker.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})

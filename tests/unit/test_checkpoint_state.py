@@ -213,3 +213,22 @@ def test_parameters_are_copied_while_the_next_step_computes(tmp_path: Path) -> N
     state = torch.load(Path(saved["path"]) / STATE_FILE, weights_only=True)
     assert torch.equal(state["model"]["w"], torch.zeros(1 << 20))
     assert torch.equal(state["model"]["b"], torch.zeros(4))
+
+
+def test_a_corrupt_checkpoint_found_at_a_save_is_reported_and_leaves_the_list(
+    tmp_path: Path,
+) -> None:
+    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=1, keep=1)
+    bad = CheckpointDir(tmp_path).save(100, lambda d: torch.save({"step": 100}, d / STATE_FILE))
+    (Path(bad.path) / STATE_FILE).write_bytes(b"\0" * bad.size_bytes)
+    manager = CheckpointManager(worker)
+    manager.state.register("step", Value(lambda: 60, lambda v: None))
+    manager.save(60)
+    manager.wait()
+    kinds = [(k, d["step"]) for k, d in worker.local_events]
+    assert kinds == [
+        ("checkpoint_saved", 60),
+        ("checkpoint_corrupt", 100),
+        ("checkpoint_removed", 100),
+    ]
+    assert [c.step for c in CheckpointDir(tmp_path).existing()] == [60]
