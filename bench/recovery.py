@@ -76,7 +76,7 @@ def stock_train_loop(config: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]

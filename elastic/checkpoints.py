@@ -1,24 +1,31 @@
-"""Checkpoints on a shared filesystem: atomic writes, a manifest with checksums, retention.
+"""A job's checkpoints: atomic writes, a manifest with checksums, retention that never loses
+the newest good one.
 
-A checkpoint is a directory ``step_<step>`` holding the state files and ``manifest.json``.
-It is written under a temporary name and renamed into place, so a reader never sees half
-of one; the manifest's SHA-256 sums catch what the rename cannot (a torn copy, bit rot).
+A checkpoint ``step_<step>`` is a set of parts plus ``manifest.json`` (the parts' SHA-256
+sums), kept by a :class:`CheckpointStorage`. The manifest is written last: until it is
+there the checkpoint does not exist, so a reader never sees half of one; its sums catch
+what that cannot (a torn copy, bit rot). Retention counts only checkpoints that verify:
+a corrupt one is moved aside, never kept in a slot a good one needed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MANIFEST = "manifest.json"
+from elastic.checkpoint_storage import (
+    MANIFEST,
+    CheckpointStorage,
+    LocalCheckpointStorage,
+    sha256_of,
+)
+
 FORMAT_VERSION = 1
 _PREFIX = "step_"
 
@@ -35,103 +42,140 @@ class CorruptCheckpoint(Exception):
     pass
 
 
-def steps_to_delete(steps: Iterable[int], keep: int) -> list[int]:
-    """The steps beyond the newest ``keep``, oldest first."""
+@dataclass
+class Pruned:
+    removed: list[CheckpointInfo] = field(default_factory=list)
+    # Corrupt checkpoints taken out of the set: (what it was, why, where it went).
+    set_aside: list[tuple[CheckpointInfo, str, str]] = field(default_factory=list)
+
+
+def steps_to_delete(steps: Iterable[int], keep: int, protect: Iterable[int] = ()) -> list[int]:
+    """The valid steps beyond the newest ``keep`` (at least one is always kept), oldest
+    first; ``protect`` (the one just written) is never among them."""
     ordered = sorted(set(steps))
-    return ordered[: max(0, len(ordered) - keep)]
+    doomed = ordered[: max(0, len(ordered) - max(1, keep))]
+    return [s for s in doomed if s not in set(protect)]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def name_for(step: int) -> str:
+    return f"{_PREFIX}{step:010d}"
 
 
 class CheckpointDir:
     """The checkpoints of one job, under ``root``."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], storage: CheckpointStorage | None = None
+    ) -> None:
         self.root = Path(root)
+        self.storage: CheckpointStorage = storage or LocalCheckpointStorage(self.root)
+        # name -> the stamps of parts hashed and found matching their manifest: retention
+        # does not re-hash gigabytes at every save, yet notices a part changed since.
+        self._verified: dict[str, tuple[Any, ...]] = {}
 
     def path_for(self, step: int) -> Path:
-        return self.root / f"{_PREFIX}{step:010d}"
+        return self.storage.local_path(name_for(step))
+
+    # -- writing -------------------------------------------------------------------------
+
+    @contextmanager
+    def staging(self, step: int, tag: str | None = None) -> Iterator[Path]:
+        """A directory to write step ``step``'s parts into (several ranks may share one
+        by passing the same ``tag``); publish it with :meth:`publish`."""
+        with self.storage.staging(name_for(step), tag or uuid.uuid4().hex[:8]) as staged:
+            yield staged
+
+    def publish(self, step: int, staged: Path) -> CheckpointInfo:
+        """Hash the staged parts, write the manifest last, and make it step ``step``."""
+        files: dict[str, dict[str, Any]] = {}
+        for f in sorted(p for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST):
+            files[str(f.relative_to(staged))] = {"sha256": sha256_of(f), "size": f.stat().st_size}
+        created_at = time.time()
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "created_at": created_at,
+            "files": files,
+        }
+        name = name_for(step)
+        self.storage.commit(staged, name, manifest)
+        self._verified[name] = self._stamps(name, manifest)
+        size = sum(int(v["size"]) for v in files.values())
+        return CheckpointInfo(step, str(self.path_for(step)), size, created_at)
 
     def save(self, step: int, write: Callable[[Path], None]) -> CheckpointInfo:
-        """Write a checkpoint: ``write(tmp_dir)`` puts the state files in ``tmp_dir``."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        final = self.path_for(step)
-        tmp = self.root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            write(tmp)
-            files: dict[str, dict[str, Any]] = {}
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                with f.open("rb") as fh:
-                    os.fsync(fh.fileno())
-                files[str(f.relative_to(tmp))] = {"sha256": _sha256(f), "size": f.stat().st_size}
-            created_at = time.time()
-            manifest = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "created_at": created_at,
-                "files": files,
-            }
-            with (tmp / MANIFEST).open("w") as fh:
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            if final.exists():
-                # The same step saved again (a restart that redid it): replace it whole.
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        size = sum(int(v["size"]) for v in files.values())
-        return CheckpointInfo(step, str(final), size, created_at)
+        """Write a checkpoint: ``write(dir)`` puts the state files in ``dir``."""
+        with self.staging(step) as staged:
+            write(staged)
+            return self.publish(step, staged)
+
+    def clean_orphans(self) -> list[str]:
+        """Remove half-written checkpoints a dead writer left (call before writing)."""
+        return self.storage.clean_staging()
+
+    # -- reading -------------------------------------------------------------------------
 
     def existing(self) -> list[CheckpointInfo]:
         """Checkpoints that have a readable manifest, oldest first (checksums not verified)."""
-        if not self.root.is_dir():
-            return []
         found = []
-        for entry in self.root.iterdir():
-            if not entry.name.startswith(_PREFIX) or not entry.is_dir():
+        for name in self.storage.names():
+            if not name.startswith(_PREFIX):
                 continue
-            try:
-                manifest = self._manifest(entry)
-            except CorruptCheckpoint:
+            manifest = self.storage.read_manifest(name)
+            if not _well_formed(manifest):
                 continue
+            assert manifest is not None
             size = sum(int(v["size"]) for v in manifest["files"].values())
             found.append(
-                CheckpointInfo(int(manifest["step"]), str(entry), size, manifest["created_at"])
+                CheckpointInfo(
+                    int(manifest["step"]),
+                    str(self.storage.local_path(name)),
+                    size,
+                    float(manifest["created_at"]),
+                )
             )
         return sorted(found, key=lambda c: c.step)
 
     def verify(self, path: str | os.PathLike[str]) -> None:
-        """Raise :class:`CorruptCheckpoint` unless every file matches the manifest."""
-        directory = Path(path)
-        manifest = self._manifest(directory)
-        for name, meta in manifest["files"].items():
-            f = directory / name
-            if not f.is_file():
-                raise CorruptCheckpoint(f"{directory.name}: {name} is missing")
-            if f.stat().st_size != meta["size"] or _sha256(f) != meta["sha256"]:
-                raise CorruptCheckpoint(f"{directory.name}: {name} fails its checksum")
+        """Raise :class:`CorruptCheckpoint` unless every part matches the manifest."""
+        name = Path(path).name
+        if Path(path).parent.resolve() != self.root.resolve():
+            # Another job's directory (a checkpoint a new job starts from).
+            CheckpointDir(Path(path).parent).verify(path)
+            return
+        manifest = self.storage.read_manifest(name)
+        if manifest is None:
+            raise CorruptCheckpoint(f"{name}: unreadable manifest")
+        if not _well_formed(manifest):
+            raise CorruptCheckpoint(f"{name}: unknown manifest format")
+        for part, meta in manifest["files"].items():
+            digest = self.storage.part_digest(name, part)
+            if digest is None:
+                raise CorruptCheckpoint(f"{name}: {part} is missing")
+            if digest != (meta["size"], meta["sha256"]):
+                raise CorruptCheckpoint(f"{name}: {part} fails its checksum")
+        self._verified[name] = self._stamps(name, manifest)
+
+    def _stamps(self, name: str, manifest: dict[str, Any]) -> tuple[Any, ...]:
+        parts = sorted(manifest["files"])
+        return (manifest["created_at"], *(self.storage.part_stamp(name, p) for p in parts))
+
+    def _verified_ok(self, info: CheckpointInfo) -> str | None:
+        """None when ``info`` verifies (hashed again only when a part changed), else why."""
+        name = Path(info.path).name
+        manifest = self.storage.read_manifest(name)
+        known = self._verified.get(name)
+        if known is not None and manifest is not None and known == self._stamps(name, manifest):
+            return None
+        try:
+            self.verify(info.path)
+        except CorruptCheckpoint as e:
+            return str(e)
+        return None
 
     def latest_valid(self) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
-        """The newest checkpoint that verifies, and the newer ones skipped with why."""
+        """The newest checkpoint that verifies (every part hashed now: this picks what a
+        job resumes from), and the newer ones skipped with why."""
         skipped: list[tuple[CheckpointInfo, str]] = []
         for info in reversed(self.existing()):
             try:
@@ -142,22 +186,37 @@ class CheckpointDir:
             return info, skipped
         return None, skipped
 
-    def prune(self, keep: int) -> list[CheckpointInfo]:
-        """Delete all but the newest ``keep`` checkpoints; returns those deleted."""
-        existing = {c.step: c for c in self.existing()}
-        removed = []
-        for step in steps_to_delete(existing, keep):
-            shutil.rmtree(existing[step].path, ignore_errors=True)
-            removed.append(existing[step])
-        return removed
+    # -- retention -----------------------------------------------------------------------
 
-    @staticmethod
-    def _manifest(directory: Path) -> dict:
-        try:
-            with (directory / MANIFEST).open() as fh:
-                manifest = json.load(fh)
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpoint(f"{directory.name}: unreadable manifest ({e})") from e
-        if manifest.get("format") != FORMAT_VERSION or "files" not in manifest:
-            raise CorruptCheckpoint(f"{directory.name}: unknown manifest format")
-        return manifest
+    def prune(self, keep: int, protect: int | None = None) -> Pruned:
+        """Keep the newest ``keep`` checkpoints that verify; corrupt ones are moved aside
+        and count for nothing; ``protect`` (the step just written) is never deleted."""
+        result = Pruned()
+        valid: dict[int, CheckpointInfo] = {}
+        for info in self.existing():
+            why = self._verified_ok(info)
+            if why is None:
+                valid[info.step] = info
+                continue
+            name = Path(info.path).name
+            try:
+                where = self.storage.move_aside(name)
+            except OSError:
+                continue  # another writer moved or replaced it meanwhile
+            self._verified.pop(name, None)
+            result.set_aside.append((info, why, where))
+        protected = () if protect is None else (protect,)
+        for step in steps_to_delete(valid, keep, protected):
+            self.storage.remove(Path(valid[step].path).name)
+            self._verified.pop(Path(valid[step].path).name, None)
+            result.removed.append(valid[step])
+        return result
+
+
+def _well_formed(manifest: dict[str, Any] | None) -> bool:
+    return (
+        manifest is not None
+        and manifest.get("format") == FORMAT_VERSION
+        and isinstance(manifest.get("files"), dict)
+        and isinstance(manifest.get("step"), int)
+    )

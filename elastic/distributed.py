@@ -205,36 +205,3 @@ class LocalSGD:
         if is_distributed():
             average_parameters(iter(model.parameters()), dist.group.WORLD)  # type: ignore[arg-type]
         self.averaged_at.append(step)
-
-
-# -- checkpoints ---------------------------------------------------------------------------
-
-
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The unsharded model and optimizer state, in a form that loads at any world size.
-    Collective for a sharded model (every rank must call it); for FSDP only rank 0's result
-    holds the tensors."""
-    if not is_sharded(model):
-        return unwrap(model).state_dict(), optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    return get_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-
-
-def load_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-) -> None:
-    """Load what ``full_state`` saved (possibly at another world size)."""
-    if not is_sharded(model):
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(
-        model,
-        optimizer,
-        optim_state_dict=state,
-        options=StateDictOptions(full_state_dict=True),
-    )

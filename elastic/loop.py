@@ -28,25 +28,34 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from elastic.checkpoint_manager import CheckpointManager
+from elastic.checkpoint_state import (
+    RankRng,
+    ReplicatedModel,
+    ReplicatedOptimizer,
+    ShardedModel,
+    ShardedOptimizer,
+    Value,
+)
 from elastic.distributed import (
     DistributedOptions,
     LocalSGD,
     Precision,
-    full_state,
     gradient_sync,
     is_sharded,
-    load_optimizer,
     unwrap,
     wrap_model,
 )
-from elastic.sampling import SamplerPosition, advance, rank_indices, share, steps_per_epoch
-from elastic.schedule import lr_factor
-from elastic.worker import (
-    WorkerContext,
-    position_from_dict,
-    position_to_dict,
-    set_rng_state,
+from elastic.sampling import (
+    SamplerPosition,
+    advance,
+    rank_indices,
+    sample_seed,
+    share,
+    steps_per_epoch,
 )
+from elastic.schedule import lr_factor
+from elastic.worker import WorkerContext
 
 LossPerSample = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -78,8 +87,15 @@ class StepBatch:
     inputs: Any
     targets: torch.Tensor
     global_batch: int  # samples in the step across all ranks
-    indices: list[int]
+    indices: list[int]  # this rank's samples (none when a short last batch left it none)
     ends_epoch: bool  # the last step of its epoch: a place for a held-out evaluation
+    # Rows of ``inputs`` that are samples; an empty share holds one padding row instead
+    # (the dataset's first sample, counted with weight zero).
+    real: int = -1
+
+    def __post_init__(self) -> None:
+        if self.real < 0:
+            self.real = len(self.indices)
 
 
 def total_steps(settings: LoopSettings, dataset_size: int) -> int:
@@ -100,6 +116,21 @@ def micro_batches(share_size: int, micro_batch_size: int) -> list[tuple[int, int
     ]
 
 
+def passes_per_step(global_batch: int, world_size: int, micro_batch_size: int) -> int:
+    """Forward/backward passes every rank runs for a step: as many as the largest share
+    needs. FSDP gathers parameters in every pass and DDP arms its hooks in the last, so
+    a rank with a smaller (or empty) share must still run them all."""
+    largest_share = -(-global_batch // world_size)
+    return max(1, -(-largest_share // micro_batch_size))
+
+
+def micro_batch_plan(share_size: int, micro_batch_size: int, passes: int) -> list[tuple[int, int]]:
+    """This rank's ``passes`` slices: its share's micro-batches, then padding passes
+    (``(0, 0)``: one row run with weight zero) up to the count every rank runs."""
+    slices = micro_batches(share_size, micro_batch_size)
+    return slices + [(0, 0)] * (passes - len(slices))
+
+
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -114,6 +145,34 @@ def _rows(obj: Any, start: int, end: int) -> Any:
     return _map(obj, lambda t: t[start:end])
 
 
+class PerSampleRandom(Dataset):
+    """A dataset whose items draw random numbers (augmentations), made to draw them from
+    a generator of their own: item ``i`` of epoch ``e`` is seeded by (seed, e, i), so it is
+    augmented the same way whichever rank loads it, at any world size, before and after
+    a restore. ``ctx.batches`` tells it the epoch. Covers torch's generator (torchvision's
+    transforms draw from it)."""
+
+    def __init__(self, dataset: Dataset, seed: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Transparent for what a loop reads of its dataset (``classes``, ``samples``).
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, i: int) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, self.epoch, i))
+            return self.dataset[i]
+
+
 class _StepBatches(torch.utils.data.Sampler[list[int]]):
     """Feeds the DataLoader this rank's indices for each optimizer step from a position."""
 
@@ -124,7 +183,9 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
         settings: LoopSettings,
         world_size: int,
         rank: int,
+        on_epoch: Callable[[int], None] | None = None,
     ) -> None:
+        self.on_epoch = on_epoch
         self.position = position
         self.dataset_size = dataset_size
         self.settings = settings
@@ -142,7 +203,13 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
             self.rank,
         ):
             self.plan.append((position, indices, batch))
-            yield indices
+            if self.on_epoch is not None:
+                # The loader reads this step's items right after the yield (no worker
+                # processes, no prefetch): they see the epoch they belong to.
+                self.on_epoch(position.epoch)
+            # An empty share still feeds the model one row (the dataset's first sample, at
+            # weight zero), so this rank joins every collective of the step.
+            yield indices or [0]
 
 
 class _SampleLog:
@@ -182,24 +249,62 @@ class TrainContext:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.dtype: torch.dtype | None = None
-        # Anything picklable a loop wants back after a restore (saved with each checkpoint).
+        # What a loop wants back after a restore, saved with each checkpoint: tensors,
+        # numbers, strings, and lists, tuples and dicts of them (checkpoints load with
+        # ``weights_only=True``).
         self.state: dict[str, Any] = {}
-        # The generators are restored when training starts, after the loop has built
-        # (and seeded) its model.
-        self._restored = worker.restore(set_rng=False)
-        self.step = int(self._restored["step"]) if self._restored else 0
-        self.position = (
-            position_from_dict(self._restored["sampler"]) if self._restored else SamplerPosition()
+        self.step = 0
+        self.position = SamplerPosition()
+        if worker.rank == 0:
+            # Before anyone writes: what a writer killed mid-checkpoint left behind.
+            worker.checkpoints.clean_orphans()
+        self.checkpoints = CheckpointManager(worker, self._updated_in_step)
+        parts = self.checkpoints.state
+        parts.register("step", Value(lambda: self.step, self._set_step))
+        parts.register(
+            "sampler",
+            Value(
+                lambda: self.position.to_dict(),
+                lambda d: setattr(self, "position", SamplerPosition.from_dict(d)),
+            ),
         )
-        if self._restored:
-            self.state = dict(self._restored.get("user") or {})
-            self.precision.load_state_dict(self._restored.get("grad_scaler"))
+        parts.register(
+            "user", Value(lambda: self.state, lambda d: setattr(self, "state", dict(d or {})))
+        )
+        parts.register(
+            "grad_scaler", Value(self.precision.state_dict, self.precision.load_state_dict)
+        )
         self._extra_metrics: dict[str, Any] = {}
+        # Set on every rank alike (by ``evaluate``, a collective): report at this step.
+        self._report_now = False
         self._trained: int | None = None
         self._totals = torch.zeros(2, dtype=torch.float64)
         self._step_global_batch = 1  # the global batch of the step just taken
         self._final_step: int | None = None
         self._micro = 1
+
+    def _updated_in_step(self) -> list[torch.Tensor]:
+        """Tensors only the optimizer step writes (a forward writes BatchNorm's buffers,
+        so those are not among them)."""
+        if self.model is None or self.optimizer is None:
+            return []
+        tensors = [p.data for p in self.model.parameters()]
+        for per_param in self.optimizer.state.values():
+            tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    def _set_step(self, step: int) -> None:
+        self.step = self.worker.completed_step = int(step)
+
+    @property
+    def _restored(self) -> dict[str, Any] | None:
+        return self.checkpoints.restored
+
+    @property
+    def _sharded_checkpoint(self) -> bool:
+        # The strategy, not the wrapper: an FSDP job resumed on one worker (unwrapped)
+        # still reads and writes the sharded layout.
+        return self.options.strategy == "fsdp"
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> TrainContext:
@@ -226,9 +331,14 @@ class TrainContext:
         if dtype is not None:
             model = model.to(dtype)
         self.dtype = dtype or next((p.dtype for p in model.parameters()), torch.float32)
-        if self._restored:
-            model.load_state_dict(self._restored["model"])
-        self.model = wrap_model(model, self.options, self.device)
+        if self._sharded_checkpoint:
+            # Sharded: wrapped first, then each rank loads the pieces of its shards.
+            self.model = wrap_model(model, self.options, self.device)
+            self.checkpoints.state.register("model", ShardedModel(self.model), sharded=True)
+        else:
+            # Loaded whole before DDP's wrapper broadcasts rank 0's copy.
+            self.checkpoints.state.register("model", ReplicatedModel(model))
+            self.model = wrap_model(model, self.options, self.device)
         return self.model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -238,8 +348,11 @@ class TrainContext:
                 "call ctx.prepare_model first: the optimizer must hold the "
                 "prepared model's parameters"
             )
-        if self._restored:
-            load_optimizer(self.model, optimizer, self._restored["optimizer"])
+        if self._sharded_checkpoint:
+            part: Any = ShardedOptimizer(self.model, optimizer)
+            self.checkpoints.state.register("optimizer", part, sharded=True)
+        else:
+            self.checkpoints.state.register("optimizer", ReplicatedOptimizer(optimizer))
         self.optimizer = optimizer
         return optimizer
 
@@ -280,8 +393,7 @@ class TrainContext:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps)
         )
-        if self._restored and self._restored.get("scheduler"):
-            self.scheduler.load_state_dict(self._restored["scheduler"])
+        if self.checkpoints.state.register("scheduler", self.scheduler):
             # Making the scheduler set the lr of step 0; the restored step's lr is the one.
             for group, lr in zip(
                 self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
@@ -291,7 +403,14 @@ class TrainContext:
         # of them, so memory per step stays put and one optimizer step still sees the
         # global batch.
         self._micro = math.ceil(global_batch_size / self.worker.max_workers)
-        sampler = _StepBatches(self.position, dataset_size, settings, self.world_size, self.rank)
+        sampler = _StepBatches(
+            self.position,
+            dataset_size,
+            settings,
+            self.world_size,
+            self.rank,
+            getattr(dataset, "set_epoch", None),
+        )
         loader = DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -300,8 +419,11 @@ class TrainContext:
             pin_memory=self.device.type == "cuda",
         )
         samples = _SampleLog(self.worker, record_samples)
-        if self._restored:
-            set_rng_state(self._restored.get("rng"))
+        # After the loop has built (and seeded alike) its model: from here on each rank
+        # draws from its own streams, restored or seeded apart.
+        rng = RankRng(self.rank, seed, lambda: self.step, self.checkpoints.gather)
+        if not self.checkpoints.state.register("rng", rng):
+            rng.load_state_dict(None)
         first_step = self.step + 1
         window_start, window_samples = time.perf_counter(), 0
         self.model.train()
@@ -332,7 +454,7 @@ class TrainContext:
             if (
                 self.step in (first_step, last_step)
                 or self.step % report_every_steps == 0
-                or self._extra_metrics
+                or self._report_now
             ):
                 elapsed = time.perf_counter() - window_start
                 self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
@@ -353,14 +475,20 @@ class TrainContext:
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
-        slices = micro_batches(len(targets), self._micro) or [(0, 0)]
+        passes = passes_per_step(batch.global_batch, self.world_size, self._micro)
+        slices = micro_batch_plan(batch.real, self._micro, passes)
         for n, (a, b) in enumerate(slices):
+            padding = b == a
+            if padding:
+                a, b = 0, 1  # one row through the model, weighted zero
             # Gradients are combined on the last micro-batch only; the others accumulate.
             with gradient_sync(model, sync=n == len(slices) - 1):
-                if b > a:
-                    with self.precision.autocast():
-                        outputs = model(_rows(inputs, a, b))
-                        losses = loss_per_sample(outputs, targets[a:b])
+                with self.precision.autocast():
+                    outputs = model(_rows(inputs, a, b))
+                    losses = loss_per_sample(outputs, targets[a:b])
+                if padding:
+                    loss = losses.sum() * 0.0
+                else:
                     # DDP and FSDP average over ranks; world/global makes the sum the exact
                     # mean over the global batch whatever the world size and its split.
                     loss = losses.sum() * (self.world_size / batch.global_batch)
@@ -371,10 +499,10 @@ class TrainContext:
                     ):
                         correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
                     loss_sum += losses.detach().sum()
-                else:  # a short last batch left this rank nothing: join with zeros
-                    loss = sum(p.sum() * 0.0 for p in model.parameters())  # type: ignore[assignment]
                 self.precision.backward(loss)
+        self.checkpoints.before_update()
         self.precision.step(optimizer)
+        self.worker.completed_step = batch.step
         self.scheduler.step()
         # Local SGD averages every H steps and at the end, so the final model is the
         # average; submission makes checkpoint.every_steps a multiple of H, so every
@@ -395,8 +523,9 @@ class TrainContext:
         return _map(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def report(self, **metrics: Any) -> None:
-        """Extra metrics for the current step's report. Call it on every rank (the report
-        gathers the loss across them); rank 0's values are the ones sent."""
+        """Extra metrics for the next report (this step's when it reports, as after
+        ``evaluate``). Safe on any subset of ranks: it only notes the values, and reports
+        happen on a schedule every rank shares. Rank 0's values are the ones sent."""
         self._extra_metrics.update(metrics)
 
     def evaluate(
@@ -443,6 +572,7 @@ class TrainContext:
         if loss_per_sample is not None and totals[3] > 0:
             result["eval_loss"] = float(totals[2] / totals[3])
         self._extra_metrics.update(result)
+        self._report_now = True
         return result
 
     # -- between steps -------------------------------------------------------------------
@@ -467,34 +597,26 @@ class TrainContext:
                     "learning_rate": self.scheduler.get_last_lr()[0],
                     "world_size": self.world_size,
                     "total_steps": last_step,
+                    "completed_step": self.worker.completed_step,
                     **self._extra_metrics,
                 },
             )
         self._extra_metrics = {}
+        self._report_now = False
 
     def _checkpoint(self, last_step: int) -> None:
-        model, optimizer = self.model, self.optimizer
-        assert model is not None and optimizer is not None and self.scheduler is not None
-        model_state, optimizer_state = full_state(model, optimizer)  # collective for FSDP
+        # Training waits only for the copy to CPU; the write goes on in the background.
+        self.checkpoints.save(self.step)
         pause = False
-        if self.rank == 0:
-            self.worker.save(
-                self.step,
-                {
-                    "model": model_state,
-                    "optimizer": optimizer_state,
-                    "scheduler": self.scheduler.state_dict(),
-                    "grad_scaler": self.precision.state_dict(),
-                    "step": self.step,
-                    "sampler": position_to_dict(self.position),
-                    "user": self.state,
-                },
-            )
-            pause = self.step < last_step and self.worker.should_pause(self.step)
+        if self.rank == 0 and self.step < last_step:
+            pause = self.worker.should_pause(self.step)
         if self.world_size > 1 and self.step < last_step:
             flag = torch.tensor([1.0 if pause else 0.0], device=self.device)
             dist.all_reduce(flag)
             pause = bool(flag.item() > 0)
+        if pause or self.step == last_step:
+            # The next attempt starts from this checkpoint: it must be published first.
+            self.checkpoints.wait()
         if pause:
             raise PausedForResize(self.step)
 
@@ -510,6 +632,28 @@ def run_with_context(
         train_loop(config, ctx)
     except PausedForResize:
         return
+    except Exception:
+        if ctx.world_size > 1:
+            # This worker's first sign that the attempt failed (most often a collective
+            # that lost a peer), stamped now: recovery is timed from the earliest one.
+            ctx.worker.emit(
+                "failure_signal",
+                {
+                    "rank": ctx.rank,
+                    "time": time.time(),
+                    "completed_step": ctx.worker.completed_step,
+                },
+            )
+        raise
+    # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
+    ctx.checkpoints.wait()
 
 
-__all__ = ["PausedForResize", "StepBatch", "TrainContext", "run_with_context", "unwrap"]
+__all__ = [
+    "PausedForResize",
+    "PerSampleRandom",
+    "StepBatch",
+    "TrainContext",
+    "run_with_context",
+    "unwrap",
+]

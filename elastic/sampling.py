@@ -19,9 +19,22 @@ class SamplerPosition:
     epoch: int = 0
     consumed: int = 0  # samples of this epoch already used by completed optimizer steps
 
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int] | None) -> SamplerPosition:
+        return cls(int(data["epoch"]), int(data["consumed"])) if data else cls()
+
 
 def epoch_permutation(dataset_size: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(dataset_size)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s randomness (its augmentations) in ``epoch``: the
+    same whichever rank draws it at whatever world size, and new each epoch."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0])
 
 
 def share(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:

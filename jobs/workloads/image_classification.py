@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from elastic.loop import TrainContext
+from elastic.loop import PerSampleRandom, TrainContext
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 from jobs.workloads.safe_files import (
     DataError,
@@ -53,10 +53,17 @@ class SyntheticImages(Dataset):
     learn them and a loss curve means something. Sample ``i`` is the same on every node."""
 
     def __init__(
-        self, size: int, image_size: int, num_classes: int, seed: int, first: int = 0
+        self,
+        size: int,
+        image_size: int,
+        num_classes: int,
+        seed: int,
+        first: int = 0,
+        transform: Any = None,
     ) -> None:
         # ``first``: where a held-out set starts, past the training samples' noise.
         self.size, self.num_classes, self.seed, self.first = size, num_classes, seed, first
+        self.transform = transform
         g = torch.Generator().manual_seed(seed)
         self.patterns = torch.randn(num_classes, 3, image_size, image_size, generator=g)
 
@@ -68,7 +75,8 @@ class SyntheticImages(Dataset):
         label = i % self.num_classes
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         noise = torch.randn(self.patterns.shape[1:], generator=g)
-        return self.patterns[label] + noise, label
+        image = self.patterns[label] + noise
+        return (self.transform(image) if self.transform else image), label
 
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -81,18 +89,27 @@ def image_transforms(
     stats: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> Any:
     """PIL image or uint8 CHW tensor -> normalised float tensor of ``image_size``. Training
-    adds the augmentations ``augment`` names. They draw from the worker's global RNG, so
-    unlike the rest of training they are not the same at every world size."""
+    adds the augmentations ``augment`` names (seeded per sample: see ``build_datasets``)."""
     from torchvision.transforms import v2
 
     size = hp.image_size
     steps: list[Any] = [v2.ToImage(), v2.Resize(size, antialias=True), v2.CenterCrop(size)]
-    if train and hp.augment != "none":
-        steps.append(v2.RandomCrop(size, padding=max(1, size // 8), padding_mode="reflect"))
-        if hp.augment == "crop_flip":
-            steps.append(v2.RandomHorizontalFlip())
+    if train:
+        steps += augmentations(hp)
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(*stats)]
     return v2.Compose(steps)
+
+
+def augmentations(hp: ImageClassificationHyperparameters) -> list[Any]:
+    from torchvision.transforms import v2
+
+    if hp.augmentation == "none":
+        return []
+    size = hp.image_size
+    steps: list[Any] = [v2.RandomCrop(size, padding=max(1, size // 8), padding_mode="reflect")]
+    if hp.augmentation == "crop_flip":
+        steps.append(v2.RandomHorizontalFlip())
+    return steps
 
 
 class Cifar10(Dataset):
@@ -126,9 +143,26 @@ class Cifar10(Dataset):
 
 def build_datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dataset | None]:
     """The training set and the held-out set evaluated after each epoch (None: no
-    evaluation)."""
+    evaluation). With augmentations, each training sample draws them from its own
+    generator, seeded by (seed, epoch, index): the same at every world size."""
+    train, held_out = _datasets(hp)
+    if hp.augmentation != "none":
+        train = PerSampleRandom(train, hp.seed)
+    return train, held_out
+
+
+def _datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dataset | None]:
     if hp.dataset == "synthetic":
-        train = SyntheticImages(hp.synthetic_samples, hp.image_size, hp.num_classes, hp.seed)
+        from torchvision.transforms import v2
+
+        steps = augmentations(hp)
+        train = SyntheticImages(
+            hp.synthetic_samples,
+            hp.image_size,
+            hp.num_classes,
+            hp.seed,
+            transform=v2.Compose(steps) if steps else None,
+        )
         held_out = SyntheticImages(
             hp.synthetic_eval_samples,
             hp.image_size,

@@ -49,10 +49,12 @@ class ImageClassificationHyperparameters(BaseModel):
         le=1_000_000,
         description="synthetic: held-out samples evaluated after each epoch (0: none).",
     )
-    augment: Literal["none", "crop", "crop_flip"] = Field(
-        "crop_flip",
-        description="Training transforms for imagefolder and cifar10: random "
-        "crop (padding of an eighth of the side), and horizontal flip; then normalisation.",
+    augment: Literal["none", "crop", "crop_flip"] | None = Field(
+        None,
+        description="Training transforms: random crop (padding of an eighth of the side), "
+        "and horizontal flip; each sample's randomness is seeded by (seed, epoch, sample), "
+        "so it is the same at any world size. Default: crop_flip for imagefolder and "
+        "cifar10, none for synthetic.",
     )
     epochs: int | None = Field(None, ge=1, le=100_000, description="Passes over the data.")
     max_steps: int | None = Field(
@@ -88,6 +90,13 @@ class ImageClassificationHyperparameters(BaseModel):
     report_every_steps: int = Field(
         1, ge=1, le=100_000, description="How often rank 0 reports metrics."
     )
+
+    @property
+    def augmentation(self) -> str:
+        """``augment`` with its default resolved for the dataset."""
+        if self.augment is not None:
+            return self.augment
+        return "none" if self.dataset == "synthetic" else "crop_flip"
 
     @model_validator(mode="after")
     def _check(self) -> ImageClassificationHyperparameters:

@@ -90,10 +90,17 @@ def finish(api: httpx.Client, job_id: str) -> dict[str, Any]:
     )
 
 
-def final_parameters(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:
+def final_state(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:
+    """The newest checkpoint's parameters and SGD momentum buffers, by name."""
     newest = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"][-1]
     # The API shows a checkpoint's path relative to the job's directory under the root.
-    return torch.load(root / job_id / newest["path"] / "state.pt", weights_only=False)["model"]
+    state = torch.load(root / job_id / newest["path"] / "state.pt", weights_only=True)
+    tensors = dict(state["model"])
+    (group,) = state["optimizer"]["param_groups"]
+    # The small CNN has parameters only (no buffers): state_dict order is parameter order.
+    for index, name in zip(group["params"], state["model"], strict=True):
+        tensors[f"momentum:{name}"] = state["optimizer"]["state"][index]["momentum_buffer"]
+    return tensors
 
 
 def samples_that_count(checkpoint_root: Path) -> Counter[tuple[int, int]]:
@@ -112,21 +119,33 @@ def samples_that_count(checkpoint_root: Path) -> Counter[tuple[int, int]]:
     return counted
 
 
+def equivalence_job(steps: int) -> dict[str, Any]:
+    spec = elastic_job(steps)
+    # Augmentations seeded per sample: part of what must not change with the world size.
+    spec["hyperparameters"]["augment"] = "crop_flip"
+    return spec
+
+
 def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     api: httpx.Client, pool: ClusterPool, tmp_path: Path
 ) -> None:
+    """Float64, a batch of 63 (unequal shares at 2 and 3 workers; each epoch ends on a
+    short batch of 55), augmentations on: a node dies between two checkpoints (steps are
+    redone), comes back, and the final parameters and momentum buffers equal an
+    uninterrupted run's to float64 rounding."""
     steps = 240
-    baseline = api.post("/v1/jobs", json=elastic_job(steps)).json()
+    baseline = api.post("/v1/jobs", json=equivalence_job(steps)).json()
     assert finish(api, baseline["id"])["state"] == "succeeded"
     assert [e["data"]["world_size"] for e in events(api, baseline["id"], "attempt_started")] == [3]
 
-    job = api.post("/v1/jobs", json=elastic_job(steps)).json()
+    job = api.post("/v1/jobs", json=equivalence_job(steps)).json()
     wait_until(
         api,
         job["id"],
-        lambda j: j["step"] >= 40 and j["world_size"] == 3,
+        # Midway between checkpoints (every 10 steps): the restart redoes steps.
+        lambda j: j["step"] >= 40 and 3 <= j["step"] % 10 <= 6 and j["world_size"] == 3,
         180,
-        "training at 3 workers",
+        "training at 3 workers, between two checkpoints",
     )
     pool.kill_node(pool.pool[1])
     wait_until(
@@ -156,8 +175,10 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     assert lost["from_world"] == 3 and len(lost["nodes"]) == 1
     assert (shrink["from_world"], shrink["to_world"]) == (3, 2)
     assert restored == shrink | {"kind": "restored"}
-    assert shrink["checkpoint_step"] % 10 == 0 and 0 <= shrink["steps_redone"] <= 10
-    assert 0 < shrink["recovery_seconds"] < 60  # stock Ray Train takes ~80 s here
+    assert shrink["checkpoint_step"] % 10 == 0 and 0 < shrink["steps_redone"] <= 10
+    # README: 15 s from the kill on a quiet run of this machine (stock Ray Train: ~70 s);
+    # the bound leaves room for the 2 shared cores being busy (37 s seen under load).
+    assert 0 < shrink["recovery_seconds"] < 45
     assert (grow["from_world"], grow["to_world"], grow["steps_redone"]) == (3 - 1, 3, 0)
     assert grow["checkpoint_step"] % 10 == 0
 
@@ -171,12 +192,17 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
 
     # The proof that elasticity is invisible to the model.
     root = tmp_path / "checkpoints"
-    ours = final_parameters(api, job["id"], root)
-    reference = final_parameters(api, baseline["id"], root)
+    ours = final_state(api, job["id"], root)
+    reference = final_state(api, baseline["id"], root)
     assert ours.keys() == reference.keys()
+    assert sum(name.startswith("momentum:") for name in reference) == 6
     for name, ref in reference.items():
+        if not ref.is_floating_point():
+            assert torch.equal(ours[name], ref), name
+            continue
         rel = (ours[name] - ref).norm() / ref.norm()
-        assert rel <= 1e-6, (name, float(rel))
+        # float64 summation-order noise is ~1e-15; a float32 round-trip would be ~1e-7.
+        assert rel <= 1e-10, (name, float(rel))
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(

@@ -164,7 +164,7 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     for c in checkpoints:
         assert (job_dir / c["path"]).is_dir()
 
-    state = torch.load(job_dir / checkpoints[-1]["path"] / "state.pt", weights_only=False)
+    state = torch.load(job_dir / checkpoints[-1]["path"] / "state.pt", weights_only=True)
     assert state["step"] == 50
     model = SmallCNN(num_classes=10)
     model.load_state_dict(state["model"])  # strict: every tensor present and shaped right

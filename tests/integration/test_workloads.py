@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 
+from elastic.checkpoint_manager import load_model, sharded_reader
 from elastic.loop import run_with_context
 from elastic.worker import WorkerContext
 from examples import custom_train_loop
@@ -70,13 +71,22 @@ def test_text_classification_trains_sharded_over_2_workers(
     evals = [(m["step"], m["eval_accuracy"]) for m in reports if "eval_accuracy" in m]
     assert [s for s, _ in evals] == [15, 30, 45, 60]  # after each epoch
     assert evals[-1][1] >= 0.9, evals
-    # The sharded model was checkpointed whole: it loads into one unsharded model.
+    # Each rank checkpointed its own shards; they load into one unsharded model.
     newest = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"][-1]
     job_dir = Path(server.settings.resolved_checkpoint_dir) / job["id"]
-    state = torch.load(job_dir / newest["path"] / "state.pt", weights_only=False)
-    vocab = state["model"]["tokens.weight"].shape[0]
+    checkpoint = job_dir / newest["path"]
+    assert sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert state["step"] == steps and "model" not in state
+    layout = sharded_reader(checkpoint / "sharded").read_metadata().state_dict_metadata
+    vocab = layout["model.tokens.weight"].size[0]  # type: ignore[union-attr]
     model = TextEncoderClassifier(vocab, 2, 16, 32, 2, 1, 128, 0.0)
-    model.load_state_dict(state["model"])
+    before = model.tokens.weight.detach().clone()
+    load_model(checkpoint, model)
+    assert not torch.equal(model.tokens.weight, before)
 
 
 def test_the_image_workload_learns_real_digits_on_2_workers(
@@ -140,8 +150,8 @@ def test_the_documented_custom_loop_trains_and_resumes(tmp_path: Path) -> None:
     run_with_context(custom_train_loop.train_loop, spec.train_config(), resumed)
     steps = [d["step"] for k, d in resumed.local_events if k == "metrics"]
     assert steps[0] == 65 and steps[-1] == 128
-    ours = torch.load(tmp_path / "b" / "step_0000000128" / "state.pt", weights_only=False)
-    ref = torch.load(tmp_path / "a" / "step_0000000128" / "state.pt", weights_only=False)
+    ours = torch.load(tmp_path / "b" / "step_0000000128" / "state.pt", weights_only=True)
+    ref = torch.load(tmp_path / "a" / "step_0000000128" / "state.pt", weights_only=True)
     for name, tensor in ref["model"].items():
         assert torch.equal(ours["model"][name], tensor), name
 
@@ -152,3 +162,31 @@ def test_text_files_in_both_formats_read_the_same(tmp_path: Path, path: str) -> 
 
     rows = read_examples(str(sentiment.write(tmp_path / path, 10)))
     assert rows == sentiment.reviews(10, 0)
+
+
+def test_a_last_batch_smaller_than_the_world_trains_through(server: LiveServer) -> None:
+    """65 samples in batches of 64 on 2 workers: every second step has 1 sample, so one
+    worker's share is empty (it used to crash the job in the data loader)."""
+    spec = {
+        "name": "short-last-batch",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "synthetic_samples": 65,
+            "image_size": 8,
+            "num_classes": 2,
+            "epochs": 3,
+            "global_batch_size": 64,
+        },
+        "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": 2, "keep": 1},
+    }
+    client = server.client()
+    r = client.post("/v1/jobs", json=spec)
+    assert r.status_code == 201, r.text
+    job = finish(client, r.json()["id"])
+    assert job["state"] == "succeeded", job
+    reports = metrics(client, job["id"])
+    assert [m["step"] for m in reports] == [1, 2, 3, 4, 5, 6]
+    assert {m["world_size"] for m in reports} == {2}

@@ -1,6 +1,12 @@
 import pytest
 
-from elastic.loop import LoopSettings, micro_batches, total_steps
+from elastic.loop import (
+    LoopSettings,
+    micro_batch_plan,
+    micro_batches,
+    passes_per_step,
+    total_steps,
+)
 from elastic.policy import below_min_for_too_long, grow_target
 from elastic.schedule import lr_factor
 
@@ -41,3 +47,14 @@ def test_grow_only_when_more_workers_fit() -> None:
 def test_the_grace_period() -> None:
     assert not below_min_for_too_long(2.9, 3.0)
     assert below_min_for_too_long(3.1, 3.0)
+
+
+def test_every_rank_runs_as_many_passes_as_the_largest_share_needs() -> None:
+    # G=9, max_workers 8 (micro-batches of 2), 2 workers: shares of 5 and 4.
+    assert passes_per_step(9, 2, 2) == 3
+    assert micro_batch_plan(5, 2, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert micro_batch_plan(4, 2, 3) == [(0, 2), (2, 4), (0, 0)]
+    # A last batch of 1 sample on 2 workers: rank 1's share is empty, it still runs one.
+    assert passes_per_step(1, 2, 2) == 1
+    assert micro_batch_plan(0, 2, 1) == [(0, 0)]
+    assert passes_per_step(63, 3, 21) == 1 and passes_per_step(63, 2, 21) == 2

@@ -11,6 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from elastic.loop import PerSampleRandom
 from jobs.workloads.image_classification import Cifar10, build_datasets, build_model
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 from jobs.workloads.text_classification import (
@@ -116,3 +117,29 @@ def test_synthetic_held_out_samples_are_new_ones() -> None:
     assert held_out is not None and len(held_out) == 5  # type: ignore[arg-type]
     assert not torch.equal(train[0][0], held_out[0][0])
     assert held_out[0][1] == 10 % hp.num_classes
+
+
+def test_augmentations_are_seeded_per_sample_and_epoch() -> None:
+    hp = ImageClassificationHyperparameters(
+        dataset="synthetic", augment="crop_flip", image_size=8, synthetic_samples=32, max_steps=1
+    )
+    train, _ = build_datasets(hp)
+    assert isinstance(train, PerSampleRandom)
+    first = [train[i][0] for i in range(32)]
+    torch.manual_seed(12345)  # whatever a rank's own generator holds
+    again = [train[i][0] for i in reversed(range(32))][::-1]  # another order, another rank
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    train.set_epoch(1)
+    assert sum(not torch.equal(a, train[i][0]) for i, a in enumerate(first)) >= 16
+    # Unseeded, the same transform draws anew at every read.
+    raw = train.dataset
+    assert any(not torch.equal(raw[i][0], raw[i][0]) for i in range(32))
+
+
+def test_synthetic_images_are_not_augmented_unless_asked() -> None:
+    hp = ImageClassificationHyperparameters(dataset="synthetic", max_steps=1)
+    assert hp.augmentation == "none"
+    train, _ = build_datasets(hp)
+    assert not isinstance(train, PerSampleRandom)
+    cifar = ImageClassificationHyperparameters(dataset="cifar10", data_path="/x", max_steps=1)
+    assert cifar.augmentation == "crop_flip"

@@ -1,0 +1,324 @@
+"""Saving and restoring a worker's checkpoints, off the training's critical path.
+
+At a checkpoint step every rank copies its state to CPU memory; that copy is all training
+waits for. A background thread then writes, fsyncs, hashes, publishes (the manifest last,
+then the rename) and prunes, while training goes on; at most one write is in flight, so a
+write slower than the checkpoint interval makes the next checkpoint wait rather than pile
+up copies in memory. ``checkpoint_saved`` is sent when the write is published, not before.
+
+Replicated parts go into ``state.pt``, written by rank 0 alone. Sharded parts (FSDP's model
+and optimizer) go into ``sharded/``, each rank writing its own pieces with
+``torch.distributed.checkpoint`` over a Gloo group of their own (the training's group is
+busy with training meanwhile); nobody gathers the whole model, and a restore at any world
+size reads only the pieces that rank needs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint_state import CheckpointState
+from elastic.worker import WorkerContext
+
+STATE_FILE = "state.pt"
+SHARDED_DIR = "sharded"
+
+
+def cpu_copy(obj: Any, keep: frozenset[int] = frozenset()) -> Any:
+    """A deep copy with every tensor in CPU memory that training can no longer change
+    (a CPU tensor is cloned: training would otherwise overwrite it mid-write). Tensors
+    whose storage is in ``keep`` stay as they are, to be copied later."""
+    if isinstance(obj, torch.Tensor):
+        return obj if _storage(obj) in keep else _tensor_copy(obj)
+    if isinstance(obj, dict):
+        return {k: cpu_copy(v, keep) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [cpu_copy(v, keep) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(cpu_copy(v, keep) for v in obj)
+    return obj  # numbers, strings, None: immutable
+
+
+def _storage(t: torch.Tensor) -> int:
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = t.to_local()
+    return int(t.untyped_storage().data_ptr())
+
+
+def _tensor_copy(t: torch.Tensor) -> torch.Tensor:
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            local = t.to_local().detach().to("cpu", copy=True)
+            return DTensor.from_local(
+                local,
+                t.device_mesh,
+                t.placements,
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
+    return t.detach().to("cpu", copy=True)
+
+
+# What ``torch.distributed.checkpoint``'s metadata pickles name: its own records, torch's
+# sizes, dtypes and layouts, paths. Anything else in that file is refused.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module in _METADATA_MODULES
+            or (module, name) in _METADATA_NAMES
+            or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"checkpoint metadata may not name {module}.{name}")
+        return super().find_class(module, name)
+
+
+def sharded_reader(path: str | Path) -> Any:
+    """A reader of a sharded checkpoint that never runs the standard unpickler: DCP's own
+    reader unpickles its metadata file with it (and would run what the file names)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with (Path(self.path) / ".metadata").open("rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def weights_only_planner() -> Any:
+    """DCP's load planner with its non-tensor values (an optimizer's param groups) read by
+    ``torch.load(weights_only=True)``; DCP's own reads them with ``weights_only=False``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            super().load_bytes(read_item, _as_bytes(loaded))
+
+    return Planner()
+
+
+def _as_bytes(obj: Any) -> io.BytesIO:
+    # The parent's load_bytes reads the value itself: hand it the already-vetted object
+    # re-serialised, which holds nothing ``weights_only`` would have refused.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def _load_sharded_state(wanted: dict[str, Any], path: Path, *, no_dist: bool = False) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(
+        wanted,
+        storage_reader=sharded_reader(path),
+        planner=weights_only_planner(),
+        no_dist=no_dist,
+    )
+
+
+def load_model(checkpoint: str | Path, model: torch.nn.Module) -> torch.nn.Module:
+    """Put a checkpoint's model into a plain ``model`` on this process (no process group,
+    either layout): to evaluate or export what a job trained."""
+    path = Path(checkpoint)
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    if "model" in state:
+        model.load_state_dict(state["model"])
+        return model
+    wanted = {"model": model.state_dict()}
+    _load_sharded_state(wanted, path / SHARDED_DIR, no_dist=True)
+    model.load_state_dict(wanted["model"])
+    return model
+
+
+class BackgroundWriter:
+    """One write at a time on a thread of its own; its failure surfaces at the next
+    ``submit`` or ``wait`` (on the training thread, which then ends the attempt)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # handed to the training thread
+                self._error = e
+
+        # A daemon: a worker that is being torn down does not wait for a write; what it
+        # leaves half-done is a staging directory, cleaned at the next start.
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        worker: WorkerContext,
+        updated_in_step: Callable[[], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """``updated_in_step``: the tensors that change only in the optimizer step
+        (parameters, optimizer state); their copy overlaps the next forward and backward."""
+        self.worker = worker
+        self.updated_in_step = updated_in_step
+        self._copied = threading.Event()
+        self._copied.set()
+        self.dir = worker.checkpoints
+        self.writer = BackgroundWriter()
+        self.group: Any = None
+        if dist.is_available() and dist.is_initialized():
+            # Collective: every rank builds it at the same point (the context's start).
+            # Its collectives wait for the slowest rank's previous write (rank 0 also
+            # hashes and prunes), so its timeout is storage's, not the training's.
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
+        self.resume_path = Path(worker.resume_path) if worker.resume_path else None
+        restored = self._load() if self.resume_path else None
+        self.state = CheckpointState(restored, self._load_sharded if restored is not None else None)
+
+    @property
+    def restored(self) -> dict[str, Any] | None:
+        return self.state.restored  # type: ignore[return-value]
+
+    # -- restore -------------------------------------------------------------------------
+
+    def _load(self) -> dict[str, Any]:
+        assert self.resume_path is not None
+        # The supervisor verified it when it chose it; storage may have changed since.
+        self.dir.verify(self.resume_path)
+        state = torch.load(self.resume_path / STATE_FILE, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"{self.resume_path}: {STATE_FILE} holds no state dict")
+        return state
+
+    def _load_sharded(self, name: str, template: Any) -> Any:
+        assert self.resume_path is not None
+        wanted = {name: template}
+        # Each rank reads the pieces its template's shards cover: a reshard when the
+        # world size changed.
+        _load_sharded_state(wanted, self.resume_path / SHARDED_DIR)
+        return wanted[name]
+
+    # -- save ----------------------------------------------------------------------------
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, on rank 0 (others get an empty list)."""
+        if self.group is None or self.worker.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.worker.world_size if self.worker.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out or []
+
+    def save(self, step: int) -> None:
+        """Collective: snapshot every part to CPU, then write in the background.
+
+        What the next optimizer step changes (parameters, optimizer state: nearly all of
+        it) is copied by the writer thread while the next forward and backward run, and
+        :meth:`before_update` holds that optimizer step until the copy is done, as
+        CheckFreq does; everything else (buffers, counters, generators) is copied now."""
+        self.writer.wait()  # one write at a time (and the copy buffers it holds)
+        replicated: dict[str, Any] | None = self.state.replicated_state()  # RNG: gathers
+        sharded = self.state.sharded_state() if self.state.sharded else {}
+        if self.worker.rank != 0:
+            replicated = None
+            if not sharded:
+                return  # a replica: rank 0 writes the replicated state
+        later = frozenset(_storage(t) for t in (self.updated_in_step or list)())
+        now = cpu_copy((replicated, sharded), later)
+        self._copied.clear()
+
+        def copy_then_write() -> None:
+            try:
+                snapshot, shards = cpu_copy(now)
+            finally:
+                self._copied.set()
+            self._write(step, snapshot, shards)
+
+        self.writer.submit(copy_then_write)
+
+    def before_update(self) -> None:
+        """Called before each optimizer step: until the checkpoint's copy of the state
+        that step changes is taken."""
+        self._copied.wait()
+
+    def wait(self) -> None:
+        """Until the write in flight is published (or raise its failure)."""
+        self.writer.wait()
+
+    def _write(self, step: int, replicated: dict[str, Any] | None, sharded: dict[str, Any]) -> None:
+        # The same staging name on every rank: the sharded pieces meet in one directory.
+        with self.dir.staging(step, f"attempt-{self.worker.attempt}") as staged:
+            if sharded:
+                import torch.distributed.checkpoint as dcp
+
+                # Returns on rank 0 once every rank's pieces and the metadata are written.
+                dcp.save(sharded, checkpoint_id=str(staged / SHARDED_DIR), process_group=self.group)
+            if replicated is None:
+                return  # rank 0 publishes
+            torch.save(replicated, staged / STATE_FILE)
+            info = self.dir.publish(step, staged)
+        self.worker.emit(
+            "checkpoint_saved",
+            {
+                "step": step,
+                "path": info.path,
+                "size_bytes": info.size_bytes,
+                "created_at": info.created_at,
+                "completed_step": self.worker.completed_step,
+            },
+        )
+        pruned = self.dir.prune(self.worker.keep, protect=step)
+        for bad, why, _ in pruned.set_aside:
+            self.worker.emit(
+                "checkpoint_corrupt", {"step": bad.step, "path": bad.path, "reason": why}
+            )
+        # A checkpoint moved aside is gone from the job's list as a deleted one is.
+        for removed in [*(bad for bad, _, _ in pruned.set_aside), *pruned.removed]:
+            self.worker.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
