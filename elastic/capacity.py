@@ -76,6 +76,12 @@ class CapacitySource(Protocol):
         """This job's worker group is placed: what was handed over is its own now."""
         ...
 
+    async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
+        """Those of ``nodes`` that do not answer within ``timeout_s``: a node killed a moment
+        ago is still alive in Ray's membership for seconds, while its workers' peers have
+        already failed."""
+        ...
+
 
 # -- Ray -------------------------------------------------------------------------------------
 
@@ -241,3 +247,32 @@ class RayCapacity:
 
     async def settle(self) -> None:
         await self._get_watcher().unclaim.remote(self.job_id)
+
+    async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
+        probes = {
+            node: _answer.options(  # type: ignore[attr-defined]
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote()
+            for node in nodes
+        }
+        if not probes:
+            return set()
+        ready, _ = await asyncio.to_thread(
+            ray.wait, list(probes.values()), num_returns=len(probes), timeout=timeout_s
+        )
+        silent = set()
+        for node, probe in probes.items():
+            if probe not in ready:
+                silent.add(node)
+                ray.cancel(probe, force=True)
+                continue
+            try:
+                await probe
+            except ray.exceptions.RayError:  # the node was declared dead meanwhile
+                silent.add(node)
+        return silent
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _answer() -> None:
+    return None

@@ -48,6 +48,9 @@ class Timing:
     reserve_s: float = 5.0  # to reserve capacity before starting or growing
     start_s: float = 90.0  # from an attempt's start until all its workers have registered
     stop_grace_s: float = 15.0  # for a stopped attempt's fit() to come back
+    # For a node to answer after an attempt failed; a dead one is also declared dead by Ray
+    # within this (3 s with the service's fast failure detection).
+    probe_s: float = 5.0
 
 
 class NoValidCheckpoint(Exception):
@@ -449,9 +452,14 @@ class JobLoop:
                 return
 
     async def _lost_nodes(self, attempt: Attempt, dead_ranks: list[int]) -> set[str]:
+        """The attempt's nodes that are gone: by Ray's membership, by a worker process that
+        died there, or by not answering a probe (the membership lags by seconds)."""
         snap = await self.capacity.snapshot()
-        gone = {n for n in attempt.worker_nodes.values() if n not in snap.alive}
-        return gone | {attempt.worker_nodes[r] for r in dead_ranks if r in attempt.worker_nodes}
+        nodes = set(attempt.worker_nodes.values())
+        gone = {n for n in nodes if n not in snap.alive}
+        gone |= {attempt.worker_nodes[r] for r in dead_ranks if r in attempt.worker_nodes}
+        gone |= await self.capacity.unreachable(nodes - gone, self.timing.probe_s)
+        return gone
 
     async def _drop_reservation(self) -> None:
         if self.reservation is not None:

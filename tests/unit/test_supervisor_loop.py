@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import pytest
@@ -79,6 +79,7 @@ class FakeCapacity:
     def __init__(self, cluster: FakeCluster) -> None:
         self.cluster = cluster
         self.released: list[tuple[int, bool]] = []
+        self.silent: set[str] = set()  # dead, though the membership does not know it yet
 
     async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
         c = self.cluster
@@ -105,6 +106,9 @@ class FakeCapacity:
 
     async def settle(self) -> None:
         pass
+
+    async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
+        return {n for n in nodes if n not in self.cluster.alive or n in self.silent}
 
 
 class FakeRunner:
@@ -538,3 +542,23 @@ def test_the_event_log_is_bounded_and_says_what_it_dropped(pending: int) -> None
         (6, "metrics"),
     ]
     assert log.pending[1]["data"] == {"log": 2}
+
+
+def test_a_failure_from_a_node_the_membership_still_shows_alive_is_a_node_loss() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        h = Harness(cluster, max_restarts=0)
+        h.start()
+        await h.workers_start(1, step=1)
+        dead = h.runner.nodes[2]
+        h.capacity.silent.add(dead)  # killed a moment ago: Ray has not noticed yet
+        h.runner.end(AttemptOutcome("rank 0: RuntimeError: Connection closed by peer"))
+        await h.attempt(2)
+        (lost,) = h.of("worker_lost")
+        assert lost["nodes"] == [dead] and lost["ranks"] == [2]
+        assert h.runner.specs[1].world_size == 2  # the silent node is left out of sizing
+        assert h.loop.state == "recovering"  # max_restarts=0, and still it goes on
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
