@@ -380,7 +380,7 @@ class JobLoop:
         step = checkpoint.step if checkpoint else None
         if self.recovery is not None:
             self.recovery.checkpoint_step = step
-        number = self.attempt.number + 1 if self.attempt else 1
+        number = self.attempt.number + 1 if self.attempt else self.plan.first_attempt
         self.attempt = Attempt(number, size, step, self.clock())
         if self.state == "queued":
             self._set_state("starting", world_size=size)
@@ -398,11 +398,13 @@ class JobLoop:
             EventKind.SUPERVISOR_RECREATED,
             {"previous_state": self.state, "checkpoint_step": step},
         )
-        if self.state in ("running", "starting"):
-            now = self.clock()
-            self.recovery = Recovery(
-                "failure", self.plan.last_world_size, self.plan.last_step, now, now
-            )
+        if self.state not in ("running", "starting", "recovering"):
+            return
+        now = self.clock()
+        self.recovery = Recovery(
+            "failure", self.plan.last_world_size, self.plan.last_step, now, now
+        )
+        if self.state != "recovering":
             self._set_state(
                 "recovering",
                 reason="the job's supervisor was lost; a new one resumes it"

@@ -31,3 +31,6 @@ class SupervisorPlan:
     recreated: bool = False
     last_step: int = 0
     last_world_size: int = 0
+    # Attempts are numbered from here: a re-created supervisor starts above every number
+    # its predecessor can have used, so that no two attempts of a job share one.
+    first_attempt: int = 1

@@ -225,7 +225,7 @@ class Harness:
         await self.until(lambda: self.loop.attempt is not None, "the attempt")
         for rank, node in enumerate(self.runner.nodes):
             self.loop.register_worker(spec.attempt, rank, node)
-        self.metrics(number, step)
+        self.metrics(spec.attempt, step)
 
     def metrics(self, attempt: int, step: int, **extra: Any) -> None:
         self.loop.record("metrics", {"attempt": attempt, "step": step, "world_size": 0} | extra)
@@ -433,12 +433,17 @@ def test_cancel_mid_attempt_ends_the_attempt() -> None:
 def test_a_recreated_supervisor_resumes_from_the_latest_checkpoint() -> None:
     async def body() -> None:
         h = Harness(
-            FakeCluster(2), initial_state="running", recreated=True, last_step=27, last_world_size=3
+            FakeCluster(2),
+            initial_state="running",
+            recreated=True,
+            last_step=27,
+            last_world_size=3,
+            first_attempt=40,
         )
         h.checkpoints.valid = [10, 20]
         h.start()
         await h.workers_start(1, step=21)
-        assert h.runner.specs[0] == AttemptSpec(1, 2, "/c/step_20")
+        assert h.runner.specs[0] == AttemptSpec(40, 2, "/c/step_20")
         (note,) = h.of("supervisor_recreated")
         assert note == {"previous_state": "running", "checkpoint_step": 20}
         assert h.states() == ["recovering", "running"]
