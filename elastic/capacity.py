@@ -1,9 +1,17 @@
-"""What the live Ray cluster holds and has free, node by node (only live nodes count)."""
+"""What the live Ray cluster holds and has free, node by node (only live nodes count), as
+one watcher per cluster sees it, and reservations of capacity for one job.
+
+The supervisor sees the cluster only through :class:`CapacitySource`, so that its loop runs
+in unit tests against a fake one.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Collection, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import ray
 from ray._private import state as ray_state
@@ -12,6 +20,70 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.policy import workers_that_fit
 
 HEAD_RESOURCE = "node:__internal_head__"
+WATCHER_NAME = "etrain-membership"
+WATCH_POLL_S = 0.5
+# A supervisor's wait for news is cut off after this, so that it can look at its own clock.
+WAIT_CAP_S = 2.0
+# Capacity handed from a reservation to a worker group that Ray Train places itself stays
+# out of other jobs' sight until the group is placed, or at most this long.
+CLAIM_TTL_S = 120.0
+
+Resources = dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cluster at one moment: which nodes are alive, and what each has free."""
+
+    version: int
+    alive: frozenset[str]
+    free: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def workers_free(self, per_worker: Mapping[str, float], exclude: Collection[str] = ()) -> int:
+        """Workers that fit in what is free, leaving out ``exclude`` (nodes suspected dead
+        that Ray's membership has not caught up with yet)."""
+        free = [r for node, r in self.free.items() if node in self.alive and node not in exclude]
+        return workers_that_fit(free, per_worker)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Capacity held for one job until its next attempt starts."""
+
+    workers: int
+    handle: Any = None
+
+
+class CapacitySource(Protocol):
+    async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
+        """The current snapshot, or, given ``after_version``, the first newer one (waiting
+        at most ``timeout_s``; the current one when nothing changed)."""
+        ...
+
+    async def reserve(
+        self, workers: int, per_worker: Mapping[str, float], timeout_s: float
+    ) -> Reservation | None:
+        """Hold ``workers`` workers' resources for this job, or None if they cannot be had
+        within ``timeout_s`` (another job took them)."""
+        ...
+
+    async def release(self, reservation: Reservation, hand_over: bool) -> None:
+        """Give the capacity back; with ``hand_over``, to this job's next worker group, which
+        places itself: until :meth:`settle`, other jobs do not count it as free."""
+        ...
+
+    async def settle(self) -> None:
+        """This job's worker group is placed: what was handed over is its own now."""
+        ...
+
+    async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
+        """Those of ``nodes`` that do not answer within ``timeout_s``: a node killed a moment
+        ago is still alive in Ray's membership for seconds, while its workers' peers have
+        already failed."""
+        ...
+
+
+# -- Ray -------------------------------------------------------------------------------------
 
 
 def free_per_node() -> dict[str, dict[str, float]]:
@@ -20,13 +92,6 @@ def free_per_node() -> dict[str, dict[str, float]]:
 
 def total_per_node() -> dict[str, dict[str, float]]:
     return dict(ray_state.total_resources_per_node())
-
-
-def workers_free_now(per_worker: Mapping[str, float], exclude: Collection[str] = ()) -> int:
-    """Workers that fit in what is free now, leaving out ``exclude`` (nodes suspected dead
-    that Ray's membership has not caught up with yet)."""
-    free = [r for node, r in free_per_node().items() if node not in exclude]
-    return workers_that_fit(free, per_worker)
 
 
 def workers_ever(per_worker: Mapping[str, float]) -> int:
@@ -53,3 +118,161 @@ def on_head_node() -> dict[str, Any]:
     if head is None:
         return {}
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)}
+
+
+@ray.remote(num_cpus=0)
+class MembershipWatcher:
+    """One per cluster (a named actor that every supervisor shares): it alone asks Ray for
+    the nodes and their free resources, and wakes the supervisors waiting for a change."""
+
+    def __init__(self) -> None:
+        self.current = Snapshot(0, frozenset(), {})
+        self.changed = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.claims: dict[str, tuple[Resources, float]] = {}  # job -> (per node, until)
+
+    async def claim(self, job_id: str, per_node: Resources) -> None:
+        self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S)
+        self._bump()
+
+    async def unclaim(self, job_id: str) -> None:
+        if self.claims.pop(job_id, None) is not None:
+            self._bump()
+
+    async def snapshot(self, job_id: str, after_version: int, timeout_s: float) -> Snapshot:
+        """As :meth:`CapacitySource.snapshot`, less what other jobs have claimed."""
+        current = await self._wait(after_version, timeout_s)
+        now = time.monotonic()
+        self.claims = {j: c for j, c in self.claims.items() if c[1] > now}
+        free = {node: dict(r) for node, r in current.free.items()}
+        for other, (per_node, _) in self.claims.items():
+            if other == job_id:
+                continue
+            for node, held in per_node.items():
+                for name, amount in held.items():
+                    if node in free:
+                        free[node][name] = max(0.0, free[node].get(name, 0.0) - amount)
+        return Snapshot(current.version, current.alive, free)
+
+    async def _wait(self, after_version: int, timeout_s: float) -> Snapshot:
+        if self.task is None:
+            await self._poll()
+            self.task = asyncio.get_running_loop().create_task(self._watch())
+        deadline = time.monotonic() + min(timeout_s, WAIT_CAP_S)
+        while self.current.version <= after_version:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            changed = self.changed
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                break
+        return self.current
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCH_POLL_S)
+            await self._poll()
+
+    async def _poll(self) -> None:
+        alive, free = await asyncio.to_thread(lambda: (alive_nodes(), free_per_node()))
+        if alive == self.current.alive and free == self.current.free:
+            return
+        self.current = Snapshot(self.current.version + 1, frozenset(alive), free)
+        self._bump(new=False)
+
+    def _bump(self, new: bool = True) -> None:
+        if new:
+            c = self.current
+            self.current = Snapshot(c.version + 1, c.alive, c.free)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class RayCapacity:
+    """The cluster through the shared watcher; reservations are placement groups."""
+
+    def __init__(self, namespace: str, job_id: str) -> None:
+        self.namespace = namespace
+        self.job_id = job_id
+        self._watcher: Any = None
+
+    def _get_watcher(self) -> Any:
+        if self._watcher is None:
+            options = {
+                "name": WATCHER_NAME,
+                "namespace": self.namespace,
+                "lifetime": "detached",
+                "get_if_exists": True,
+                **on_head_node(),
+            }
+            self._watcher = MembershipWatcher.options(**options).remote()  # type: ignore[attr-defined]
+        return self._watcher
+
+    async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
+        try:
+            watcher = self._get_watcher()
+            snap: Snapshot = await watcher.snapshot.remote(self.job_id, after_version, timeout_s)
+        except ray.exceptions.RayActorError:
+            self._watcher = None  # it died (killed by hand, or a test): the next call starts one
+            raise
+        return snap
+
+    async def reserve(
+        self, workers: int, per_worker: Mapping[str, float], timeout_s: float
+    ) -> Reservation | None:
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        group = placement_group([dict(per_worker)] * workers, strategy="PACK")
+        ready, _ = await asyncio.to_thread(ray.wait, [group.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(group)
+            return None
+        return Reservation(workers, group)
+
+    async def release(self, reservation: Reservation, hand_over: bool) -> None:
+        from ray.util.placement_group import placement_group_table, remove_placement_group
+
+        group = reservation.handle
+        if hand_over:
+            table = await asyncio.to_thread(placement_group_table, group)
+            per_node: Resources = {}
+            for index, node in table.get("bundles_to_node_id", {}).items():
+                held = per_node.setdefault(str(node), {})
+                for name, amount in table["bundles"][index].items():
+                    held[name] = held.get(name, 0.0) + float(amount)
+            await self._get_watcher().claim.remote(self.job_id, per_node)
+        await asyncio.to_thread(remove_placement_group, group)
+
+    async def settle(self) -> None:
+        await self._get_watcher().unclaim.remote(self.job_id)
+
+    async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
+        probes = {
+            node: _answer.options(  # type: ignore[attr-defined]
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote()
+            for node in nodes
+        }
+        if not probes:
+            return set()
+        ready, _ = await asyncio.to_thread(
+            ray.wait, list(probes.values()), num_returns=len(probes), timeout=timeout_s
+        )
+        silent = set()
+        for node, probe in probes.items():
+            if probe not in ready:
+                silent.add(node)
+                ray.cancel(probe, force=True)
+                continue
+            try:
+                await probe
+            except ray.exceptions.RayError:  # the node was declared dead meanwhile
+                silent.add(node)
+        return silent
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _answer() -> None:
+    return None

@@ -1,8 +1,13 @@
-"""The sizing policy: how many workers a job gets, given what the cluster has free."""
+"""The supervisor's policies, pure functions of the facts: how many workers a job gets
+(sizing), when it is worth growing, and whether to restart after an attempt ends."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from elastic.attempt import EndCause
 
 
 def workers_that_fit(
@@ -35,3 +40,63 @@ def grow_target(world_size: int, max_workers: int, free_fit: int) -> int | None:
 
 def below_min_for_too_long(waited_s: float, grace_s: float) -> bool:
     return waited_s > grace_s
+
+
+# -- restart or give up ------------------------------------------------------------------
+
+# Ray Train 2.60 leaves these unbounded (-1), so a worker group that can never start retries
+# forever. Here every kind of failure has a limit; progress (a checkpoint saved) resets all.
+NODE_LOSS_LIMIT = 10  # consecutive node losses without progress (Ray: max_preemption_failures)
+# Worker groups in a row that could not be placed (Ray: controller_failure_limit).
+START_FAILURE_LIMIT = 3
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    retry: bool
+    reason: str  # why it gives up; empty when it retries
+
+
+class RestartPolicy:
+    """Counts failed attempts since the job last made progress, by cause. A job error counts
+    against the user's ``max_restarts``; a node loss is the cluster's doing and has its own,
+    larger budget, so a long job on churning nodes survives any number of losses as long as
+    it checkpoints in between."""
+
+    def __init__(
+        self,
+        max_restarts: int,
+        node_loss_limit: int = NODE_LOSS_LIMIT,
+        start_failure_limit: int = START_FAILURE_LIMIT,
+    ) -> None:
+        self.limits = {
+            EndCause.ERROR: max_restarts,
+            EndCause.NODE_LOST: node_loss_limit,
+            EndCause.START_TIMEOUT: start_failure_limit,
+        }
+        self.counts: Counter[EndCause] = Counter()
+
+    def decide(self, cause: EndCause, progressed: bool) -> RestartDecision:
+        """``progressed``: the attempt that ended saved a checkpoint, so it does not count,
+        and the failures before it are forgiven."""
+        if progressed:
+            self.counts.clear()
+        if progressed or cause not in self.limits:
+            return RestartDecision(True, "")
+        done, limit = self.counts[cause], self.limits[cause]
+        if done >= limit:
+            plural = "" if done == 1 else "s"
+            what = {
+                EndCause.ERROR: f"gave up after {done} restart{plural}; max_restarts is {limit}",
+                EndCause.NODE_LOST: f"gave up after {done} node loss{'' if done == 1 else 'es'} "
+                f"in a row without a checkpoint; the limit is {limit}",
+                EndCause.START_TIMEOUT: f"gave up after {done} worker group{plural} in a row "
+                f"could not start; the limit is {limit}",
+            }[cause]
+            return RestartDecision(False, what)
+        self.counts[cause] += 1
+        return RestartDecision(True, "")
+
+    @property
+    def restarts(self) -> int:
+        return sum(self.counts.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -12,6 +13,7 @@ from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
 from elastic import capacity
+from elastic.checkpoints import CheckpointDir
 from elastic.supervisor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
@@ -103,8 +105,34 @@ def max_workers_ever(spec: JobSpec) -> int:
     return capacity.workers_ever(spec.scaling.worker_resources())
 
 
-def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str, first_seq: int) -> Any:
-    """Start the job's supervisor (detached: it outlives the API process) and its loop."""
+@dataclass(frozen=True)
+class Resume:
+    """What the store knows of a job whose supervisor died, for the one that replaces it."""
+
+    state: str
+    step: int
+    world_size: int
+
+
+def checkpoint_dir(checkpoint_root: str, job_id: str) -> str:
+    return os.path.join(checkpoint_root, job_id)
+
+
+def has_checkpoints(checkpoint_root: str, job_id: str) -> bool:
+    """Whether the job wrote any checkpoint (valid or not: the supervisor decides)."""
+    return bool(CheckpointDir(checkpoint_dir(checkpoint_root, job_id)).existing())
+
+
+def launch(
+    job_id: str,
+    spec: JobSpec,
+    checkpoint_root: str,
+    namespace: str,
+    first_seq: int,
+    resume: Resume | None = None,
+) -> Any:
+    """Start the job's supervisor (detached: it outlives the API process) and its loop;
+    with ``resume``, a new supervisor for a job whose supervisor died."""
     workload = WORKLOADS.get(spec.workload)
     train_loop = workload.train_loop if workload else spec.workload
     plan = SupervisorPlan(
@@ -115,7 +143,7 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str, fir
         max_workers=spec.scaling.max_workers,
         resources_per_worker=spec.scaling.worker_resources(),
         backend=spec.backend,
-        checkpoint_dir=os.path.join(checkpoint_root, job_id),
+        checkpoint_dir=checkpoint_dir(checkpoint_root, job_id),
         every_steps=spec.checkpoint.every_steps,
         keep=spec.checkpoint.keep,
         max_restarts=spec.failure.max_restarts,
@@ -123,7 +151,12 @@ def launch(job_id: str, spec: JobSpec, checkpoint_root: str, namespace: str, fir
         actor_name=supervisor_name(job_id),
         namespace=namespace,
         transitions={s.value: [t.value for t in ts] for s, ts in TRANSITIONS.items()},
-        initial_state=JobState.QUEUED.value,
+        initial_state=resume.state if resume else JobState.QUEUED.value,
+        recreated=resume is not None,
+        last_step=resume.step if resume else 0,
+        last_world_size=resume.world_size if resume else 0,
+        # Every attempt took a sequence number for its attempt_started event: none is above.
+        first_attempt=first_seq if resume else 1,
     )
     options: dict[str, Any] = {
         "name": plan.actor_name,

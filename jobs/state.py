@@ -25,7 +25,10 @@ _ENDINGS = {JobState.FAILED, JobState.CANCELLED}
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, *_ENDINGS}),
-    JobState.STARTING: frozenset({JobState.RUNNING, JobState.RECOVERING, *_ENDINGS}),
+    # Back to queued when its workers could not be placed (another job took the capacity).
+    JobState.STARTING: frozenset(
+        {JobState.QUEUED, JobState.RUNNING, JobState.RECOVERING, *_ENDINGS}
+    ),
     # A job can finish straight from running; succeeded is reachable only from there.
     JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.SUCCEEDED, *_ENDINGS}),
     JobState.RECOVERING: frozenset({JobState.RUNNING, *_ENDINGS}),

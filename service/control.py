@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 # A supervisor not found this long after its job's last change is gone, not late.
 MISSING_GRACE_S = 5.0
 CALL_TIMEOUT_S = 10.0
+# How many times one service process re-creates the supervisor of one job before it gives
+# up on the job: a supervisor that dies again and again is not saved by one more.
+MAX_RECREATIONS = 3
 # How often finished jobs' old metrics and logs are deleted (ETRAIN_RETENTION_DAYS).
 PURGE_EVERY_S = 600.0
 # Job-level changes that the all-jobs stream carries (besides "created").
@@ -44,6 +47,7 @@ class JobControl:
         self.hub = hub
         self._handles: dict[str, Any] = {}
         self._missing_since: dict[str, float] = {}
+        self._recreated: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._admission: dict[str, asyncio.Lock] = {}
         self._task: asyncio.Task[None] | None = None
@@ -149,7 +153,13 @@ class JobControl:
         if handle is not None:
             try:
                 await asyncio.wait_for(handle.cancel.remote(reason), CALL_TIMEOUT_S)
-            except (launcher.SupervisorGone, TimeoutError):
+            except launcher.SupervisorGone:
+                handle = None
+            except TimeoutError:
+                # It does not answer (busy, or on a node being declared dead): end it anyway,
+                # and its attempt with it, so that nothing keeps running for a cancelled job.
+                await asyncio.to_thread(launcher.stop_supervisor, handle)
+                self._handles.pop(job_id, None)
                 handle = None
         if handle is None:
             await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
@@ -238,9 +248,7 @@ class JobControl:
                 events = await asyncio.wait_for(handle.events.remote(job.last_seq), CALL_TIMEOUT_S)
             except launcher.SupervisorGone as e:
                 self._handles.pop(job_id, None)
-                await self._end_without_supervisor(
-                    job_id, JobState.FAILED, f"the job's supervisor died: {e}"
-                )
+                await self._recreate_or_fail(job, f"the job's supervisor died: {e}")
                 return
             except TimeoutError:
                 return  # busy or on a node being declared dead: try next tick
@@ -252,7 +260,7 @@ class JobControl:
                 launcher.stop_supervisor(handle)
                 self._forget(job_id)
 
-    async def _launch(self, job: JobRow) -> None:
+    async def _launch(self, job: JobRow, resume: launcher.Resume | None = None) -> None:
         try:
             spec = JobSpec.model_validate(job.spec)
             handle = await asyncio.to_thread(
@@ -262,6 +270,7 @@ class JobControl:
                 self.settings.resolved_checkpoint_dir,
                 self.settings.ray_namespace,
                 job.last_seq + 1,
+                resume,
             )
             self._handles[job.id] = handle
         except Exception as e:
@@ -278,11 +287,27 @@ class JobControl:
         first = self._missing_since.setdefault(job.id, time.monotonic())
         if time.monotonic() - first < MISSING_GRACE_S:
             return
-        await self._end_without_supervisor(
-            job.id,
-            JobState.FAILED,
-            "the job's supervisor is gone from Ray (the cluster restarted or lost its node)",
+        await self._recreate_or_fail(
+            job, "the job's supervisor is gone from Ray (the cluster restarted or lost its node)"
         )
+
+    async def _recreate_or_fail(self, job: JobRow, why: str) -> None:
+        """A job whose supervisor died goes on from its latest checkpoint under a new one
+        (which says so in an event); without checkpoints, it fails with ``why``."""
+        has = await asyncio.to_thread(
+            launcher.has_checkpoints, self.settings.resolved_checkpoint_dir, job.id
+        )
+        times = self._recreated.get(job.id, 0)
+        if not has or times >= MAX_RECREATIONS:
+            if has:
+                why = f"{why}; it was re-created {times} times already"
+            await self._end_without_supervisor(job.id, JobState.FAILED, why)
+            return
+        self._recreated[job.id] = times + 1
+        self._missing_since.pop(job.id, None)
+        log.warning("%s: %s; re-creating it from its latest checkpoint", job.id, why)
+        resume = launcher.Resume(job.state, job.step or 0, job.world_size or 0)
+        await self._launch(job, resume)
 
     async def _end_without_supervisor(self, job_id: str, state: JobState, reason: str) -> None:
         """Only when no supervisor can write the log any more does the service write it."""
@@ -315,6 +340,7 @@ class JobControl:
     def _forget(self, job_id: str) -> None:
         self._handles.pop(job_id, None)
         self._missing_since.pop(job_id, None)
+        self._recreated.pop(job_id, None)
 
     def _get(self, job_id: str) -> JobRow:
         job = self.store.get_job(job_id)

@@ -8,6 +8,7 @@ LEGAL = {
     ("queued", "starting"),
     ("queued", "failed"),
     ("queued", "cancelled"),
+    ("starting", "queued"),
     ("starting", "running"),
     ("starting", "recovering"),
     ("starting", "failed"),

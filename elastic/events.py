@@ -1,0 +1,86 @@
+"""A job's event log as its supervisor keeps it: typed kinds, numbered in order, held until
+the reader (the service) acknowledges that it has stored them.
+
+The store is the archive; this log is only the buffer in front of it, so it has a bound.
+At the bound, high-volume kinds (log lines, metrics) are counted instead of kept, and one
+``events_dropped`` event says how many of each were lost once the reader catches up. The
+kinds that tell the job's story (state changes, attempts, losses, checkpoints) are always
+kept: there are few of them per attempt, so they cannot grow without bound on their own.
+Sequence numbers stay contiguous, as the store requires.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+
+class EventKind(StrEnum):
+    STATE = "state"
+    ATTEMPT_STARTED = "attempt_started"
+    METRICS = "metrics"
+    LOG = "log"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_REMOVED = "checkpoint_removed"
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"
+    WORKER_LOST = "worker_lost"
+    RESTORED = "restored"
+    RESIZED = "resized"
+    WAITING = "waiting"  # the job cannot start or grow yet, and why
+    SUPERVISOR_RECREATED = "supervisor_recreated"
+    EVENTS_DROPPED = "events_dropped"
+    # Sent by a worker whose collective failed, before it raises; the supervisor folds it
+    # into the recovery's timing and does not log it on its own.
+    FAILURE_SIGNAL = "failure_signal"
+
+
+DROPPABLE = frozenset({EventKind.LOG, EventKind.METRICS})
+# About 10 minutes of a chatty job's log lines at the service's default poll interval.
+DEFAULT_MAX_PENDING = 5000
+
+Event = dict[str, Any]
+
+
+class EventLog:
+    def __init__(
+        self,
+        first_seq: int,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.next_seq = first_seq
+        self.max_pending = max_pending
+        self.clock = clock
+        self.pending: list[Event] = []
+        self.dropped: Counter[str] = Counter()
+
+    def append(self, kind: EventKind, data: dict[str, Any]) -> Event | None:
+        """The event as logged, or None when it was counted as dropped."""
+        if kind in DROPPABLE and len(self.pending) >= self.max_pending:
+            self.dropped[kind.value] += 1
+            return None
+        if self.dropped and len(self.pending) < self.max_pending:
+            self._add(EventKind.EVENTS_DROPPED, dict(self.dropped))
+            self.dropped.clear()
+        return self._add(kind, data)
+
+    def _add(self, kind: EventKind, data: dict[str, Any]) -> Event:
+        event = {"seq": self.next_seq, "kind": kind.value, "time": self.clock(), "data": data}
+        self.pending.append(event)
+        self.next_seq += 1
+        return event
+
+    def after(self, seq: int) -> list[Event]:
+        return [e for e in self.pending if e["seq"] > seq]
+
+    def ack(self, seq: int) -> None:
+        self.pending = [e for e in self.pending if e["seq"] > seq]
+        if self.dropped and len(self.pending) < self.max_pending:
+            self._add(EventKind.EVENTS_DROPPED, dict(self.dropped))
+            self.dropped.clear()
+
+    def __len__(self) -> int:
+        return len(self.pending)

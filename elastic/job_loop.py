@@ -1,0 +1,506 @@
+"""The supervisor's loop: it routes a job between scheduling, running an attempt, and
+deciding what an ended attempt means, asking the policies for every decision. It knows
+the cluster only through a :class:`CapacitySource` and attempts only through an
+:class:`AttemptRunner`, so it runs in unit tests without Ray.
+
+The routing: ``schedule`` (wait for a size that fits, reserving it when the job first
+starts) -> ``run`` (one attempt; a watcher ends it when a node goes, when its workers are
+not placed in time, and reserves capacity to grow) -> ``schedule`` again after a pause or
+a failure the restart policy retries, or the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from elastic.attempt import Attempt, AttemptOutcome, EndCause, Recovery
+from elastic.attempt_runner import AttemptRunner, AttemptSpec
+from elastic.capacity import CapacitySource, Reservation, Snapshot
+from elastic.checkpoints import CheckpointInfo
+from elastic.events import EventKind, EventLog
+from elastic.plan import SupervisorPlan
+from elastic.policy import RestartPolicy, below_min_for_too_long, choose_world_size, grow_target
+
+log = logging.getLogger(__name__)
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+Step = Callable[[], Awaitable["Step | None"]]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Every wait of the loop has a bound; these are them."""
+
+    poll_s: float = 2.0  # the longest wait for news of the cluster before looking again
+    # A node whose workers died is left out of sizing until Ray's membership marks it dead,
+    # or for this long: Ray takes seconds to notice a silent node, and a restart that tried
+    # to place workers there would wait for them until the start-up bound.
+    suspect_ttl_s: float = 60.0
+    release_wait_s: float = 3.0  # for an ended attempt's survivors to free their resources
+    reserve_s: float = 5.0  # to reserve capacity before starting or growing
+    start_s: float = 90.0  # from an attempt's start until all its workers have registered
+    stop_grace_s: float = 15.0  # for a stopped attempt's fit() to come back
+    # For a node to answer after an attempt failed; a dead one is also declared dead by Ray
+    # within this (3 s with the service's fast failure detection).
+    probe_s: float = 5.0
+
+
+class NoValidCheckpoint(Exception):
+    pass
+
+
+class CheckpointSource(Protocol):
+    def latest_valid(self) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]: ...
+
+
+class JobLoop:
+    def __init__(
+        self,
+        plan: SupervisorPlan,
+        runner: AttemptRunner,
+        capacity: CapacitySource,
+        checkpoints: CheckpointSource,
+        events: EventLog,
+        timing: Timing = Timing(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.plan = plan
+        self.runner = runner
+        self.capacity = capacity
+        self.checkpoints = checkpoints
+        self.events = events
+        self.timing = timing
+        self.clock = clock
+        self.state = plan.initial_state
+        self.restarts = RestartPolicy(plan.max_restarts)
+        self.attempt: Attempt | None = None
+        self.recovery: Recovery | None = None
+        self.reservation: Reservation | None = None
+        self.suspects: dict[str, float] = {}
+        self.version = -1
+        self.cancelled = False
+        self.waiting_for: str | None = None
+        self._claim_settled = False
+
+    # -- the routing -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        step: Step | None = self._start
+        try:
+            while step is not None and self.state not in TERMINAL:
+                step = await step()
+        except Exception as e:  # a bug here must still end the job where a user sees it
+            log.exception("supervisor of %s failed", self.plan.job_id)
+            if self.state not in TERMINAL:
+                self._set_state("failed", reason=f"supervisor error: {e!r}")
+        finally:
+            await self._drop_reservation()
+
+    async def _start(self) -> Step | None:
+        if self.plan.recreated:
+            self._resume_after_supervisor_loss()
+        return self._schedule
+
+    async def _schedule(self) -> Step | None:
+        began = time.monotonic()
+        while not self.cancelled:
+            snap = await self._next_snapshot()
+            held = self.reservation.workers if self.reservation else 0
+            fit = snap.workers_free(self.plan.resources_per_worker, self.suspects) + held
+            size = choose_world_size(self.plan.min_workers, self.plan.max_workers, fit)
+            if size is None:
+                if self.state == "recovering" and below_min_for_too_long(
+                    time.monotonic() - began, self.plan.min_workers_grace_s
+                ):
+                    self._set_state("failed", reason=self._too_few(fit, grace=True))
+                    return None
+                self._waiting(self._too_few(fit, grace=False))
+                continue
+            if self.state == "queued" and self.reservation is None:
+                # Two queued jobs may both see the same free slots: the reservation decides
+                # which one starts; the other stays queued and says why.
+                self.reservation = await self.capacity.reserve(
+                    size, self.plan.resources_per_worker, self.timing.reserve_s
+                )
+                if self.reservation is None:
+                    self._waiting(f"{size} free worker slots went to another job; waiting")
+                    continue
+            return functools.partial(self._run, size)
+        return None
+
+    async def _run(self, size: int) -> Step | None:
+        try:
+            checkpoint = await self._latest_checkpoint()
+        except NoValidCheckpoint:
+            await self._drop_reservation()
+            return None
+        if self.reservation is not None:
+            # Handed to this attempt's worker group, which Ray Train places itself.
+            reservation, self.reservation = self.reservation, None
+            await self.capacity.release(reservation, hand_over=True)
+        attempt = self._begin(size, checkpoint)
+        spec = AttemptSpec(attempt.number, size, checkpoint.path if checkpoint else None)
+        running = asyncio.ensure_future(self.runner.run(spec))
+        watcher = asyncio.ensure_future(self._watch(attempt))
+        try:
+            await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not running.done():  # the watcher stopped the attempt: bound the wait for it
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(running), self.timing.stop_grace_s)
+        finally:
+            attempt.ended = True  # a cancel can be lost in a wait_for (bpo-42130): say it twice
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        if running.done() and not running.cancelled():
+            outcome = running.result()
+        else:
+            running.cancel()
+            outcome = AttemptOutcome(attempt.stop_reason or "the attempt did not end when told")
+        return await self._after(attempt, outcome)
+
+    async def _after(self, attempt: Attempt, outcome: AttemptOutcome) -> Step | None:
+        if self.cancelled:
+            return None
+        cause = attempt.stop_cause
+        lost: set[str] = set()
+        if cause is None:
+            if outcome.error is None:
+                cause = EndCause.PAUSED if attempt.paused_at is not None else EndCause.FINISHED
+            else:
+                lost = await self._lost_nodes(attempt, outcome.dead_ranks)
+                cause = EndCause.NODE_LOST if lost else EndCause.ERROR
+        elif cause == EndCause.NODE_LOST:
+            lost = await self._lost_nodes(attempt, outcome.dead_ranks)
+        if cause == EndCause.FINISHED:
+            await self._drop_reservation()
+            if self.state in ("starting", "recovering"):
+                # A custom loop may finish without ever reporting a step: it did run.
+                self._set_state("running", world_size=attempt.world_size)
+            self._set_state("succeeded", step=attempt.reached_step)
+            return None
+        now = self.clock()
+        if cause == EndCause.PAUSED:
+            step = attempt.paused_at or 0
+            self.recovery = Recovery("grow", attempt.world_size, step, now, now)
+            await self._wait_for_release(attempt.grow_to or attempt.world_size)
+            return self._schedule
+        return await self._failed(attempt, cause, attempt.stop_reason or outcome.error, lost, now)
+
+    async def _failed(
+        self, attempt: Attempt, cause: EndCause, reason: str | None, lost: set[str], now: float
+    ) -> Step | None:
+        reason = reason or cause.value
+        detected = attempt.detected_at or now
+        for node in lost:
+            self.suspects[node] = now
+        if self.recovery is None or self.recovery.kind == "grow":
+            self.recovery = Recovery(
+                "loss" if lost else "failure",
+                attempt.world_size,
+                attempt.completed_step,
+                attempt.first_signal_at or detected,
+                detected,
+            )
+        else:  # one more attempt on the way: the recovery spans them all
+            self.recovery.attempts += 1
+            self.recovery.completed_step = max(self.recovery.completed_step, attempt.completed_step)
+        if lost:
+            self._emit(
+                EventKind.WORKER_LOST,
+                {
+                    "kind": "worker_lost",
+                    **self.recovery.fields(None, None),
+                    "from_world": attempt.world_size,
+                    "nodes": sorted(lost),
+                    "ranks": sorted(r for r, n in attempt.worker_nodes.items() if n in lost),
+                    "reason": reason,
+                },
+            )
+        decision = self.restarts.decide(cause, attempt.saved_checkpoint)
+        if not decision.retry:
+            await self._drop_reservation()
+            self._set_state("failed", reason=f"{reason} ({decision.reason})")
+            return None
+        if cause == EndCause.START_TIMEOUT and self.state == "starting":
+            # It never ran: it waits for capacity again, as a queued job, and says why.
+            await self._drop_reservation()
+            self.recovery = None
+            self._set_state("queued", reason=reason)
+            return self._schedule
+        if self.state != "recovering":
+            self._set_state("recovering", reason=reason, restarts=self.restarts.restarts)
+        await self._wait_for_release(attempt.world_size - len(lost))
+        return self._schedule
+
+    # -- watching a running attempt ------------------------------------------------------------
+
+    async def _watch(self, attempt: Attempt) -> None:
+        """End the attempt as soon as Ray's membership loses one of its nodes (a silent loss
+        raises no collective error until its timeout) or its workers are not all placed in
+        time, and reserve capacity to grow when some appears."""
+        deadline = time.monotonic() + self.timing.start_s
+        self._claim_settled = False
+        while not attempt.ended:
+            snap = await self._next_snapshot()
+            gone = {n for n in attempt.worker_nodes.values() if n not in snap.alive}
+            if gone:
+                names = ", ".join(sorted(g[:12] for g in gone))
+                self._stop(
+                    attempt,
+                    EndCause.NODE_LOST,
+                    f"node{'s' if len(gone) > 1 else ''} {names} left the cluster",
+                )
+                return
+            if not attempt.all_placed:
+                if time.monotonic() > deadline:
+                    self._stop(
+                        attempt,
+                        EndCause.START_TIMEOUT,
+                        f"only {len(attempt.worker_nodes)} of {attempt.world_size} workers "
+                        f"started within {self.timing.start_s:g} s",
+                    )
+                    return
+                continue
+            if not self._claim_settled:
+                self._claim_settled = True
+                await self.capacity.settle()
+            await self._maybe_reserve_growth(attempt, snap)
+
+    async def _maybe_reserve_growth(self, attempt: Attempt, snap: Snapshot) -> None:
+        if (
+            self.state != "running"
+            or self.recovery is not None
+            or attempt.grow_to is not None
+            or attempt.world_size >= self.plan.max_workers
+        ):
+            return
+        free = snap.workers_free(self.plan.resources_per_worker, self.suspects)
+        target = grow_target(attempt.world_size, self.plan.max_workers, free)
+        if target is None:
+            return
+        extra = target - attempt.world_size
+        reservation = await self.capacity.reserve(
+            extra, self.plan.resources_per_worker, self.timing.reserve_s
+        )
+        if reservation is None or attempt is not self.attempt or self.cancelled:
+            if reservation is not None:
+                await self.capacity.release(reservation, hand_over=False)
+            return
+        # Only now, with the capacity held for this job, is a pause to grow worth it.
+        self.reservation = reservation
+        attempt.grow_to = target
+
+    def _stop(self, attempt: Attempt, cause: EndCause, reason: str) -> None:
+        now = self.clock()
+        if cause == EndCause.NODE_LOST:
+            attempt.saw_failure(now)
+        attempt.detected_at = now
+        attempt.stop_cause, attempt.stop_reason = cause, reason
+        self.runner.stop()
+
+    # -- what the workers and the reader say ---------------------------------------------------
+
+    def register_worker(self, attempt: int, rank: int, node_id: str) -> None:
+        if self.attempt is not None and attempt == self.attempt.number:
+            self.attempt.worker_nodes[rank] = node_id
+
+    def should_pause(self, attempt: int, step: int) -> bool:
+        """Asked by rank 0 right after each checkpoint: stop here so the job can grow?"""
+        current = self.attempt
+        if current is None or attempt != current.number or current.grow_to is None:
+            return False
+        if self.cancelled:
+            return False
+        current.paused_at = step
+        return True
+
+    def record(self, kind: str, data: dict[str, Any]) -> None:
+        current = self.attempt
+        if current is None or data.get("attempt") != current.number or self.cancelled:
+            return  # late news from an attempt that has already ended
+        try:
+            what = EventKind(kind)
+        except ValueError:
+            log.warning("unknown event kind %r from a worker of %s", kind, self.plan.job_id)
+            return
+        completed = data.get("completed_step")
+        if what == EventKind.FAILURE_SIGNAL:
+            current.saw_failure(float(data.get("time") or self.clock()))
+            if completed is not None:
+                current.saw_step(int(completed), int(completed))
+            return
+        if what == EventKind.METRICS:
+            done = None if completed is None else int(completed)
+            current.saw_step(int(data.get("step", 0)), done)
+            if not current.running:
+                current.running = True
+                if self.state in ("starting", "recovering"):
+                    self._set_state("running", world_size=data.get("world_size"))
+                if self.recovery is not None:
+                    self._complete_recovery(current)
+        elif what == EventKind.CHECKPOINT_SAVED:
+            step = int(data["step"])
+            current.checkpoint_step = step
+            current.saved_checkpoint = True
+            current.saw_step(step, step if completed is None else int(completed))
+        self._emit(what, data)
+
+    def cancel(self, reason: str) -> str:
+        if self.state in TERMINAL:
+            return self.state
+        self.cancelled = True
+        self.runner.stop()
+        self._set_state("cancelled", reason=reason)
+        return self.state
+
+    def status(self) -> dict[str, Any]:
+        a = self.attempt
+        return {
+            "state": self.state,
+            "attempt": a.number if a else 0,
+            "world_size": a.world_size if a else 0,
+            "step": a.reached_step if a else 0,
+            "pending": len(self.events),
+            "worker_nodes": dict(a.worker_nodes) if a else {},
+            "restarts_without_progress": self.restarts.restarts,
+        }
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _begin(self, size: int, checkpoint: CheckpointInfo | None) -> Attempt:
+        step = checkpoint.step if checkpoint else None
+        if self.recovery is not None:
+            self.recovery.checkpoint_step = step
+        number = self.attempt.number + 1 if self.attempt else self.plan.first_attempt
+        self.attempt = Attempt(number, size, step, self.clock())
+        if self.state == "queued":
+            self._set_state("starting", world_size=size)
+        self.waiting_for = None
+        self._emit(
+            EventKind.ATTEMPT_STARTED,
+            {"attempt": number, "world_size": size, "checkpoint_step": step},
+        )
+        return self.attempt
+
+    def _resume_after_supervisor_loss(self) -> None:
+        info, _ = self.checkpoints.latest_valid()
+        step = info.step if info else None
+        self._emit(
+            EventKind.SUPERVISOR_RECREATED,
+            {"previous_state": self.state, "checkpoint_step": step},
+        )
+        if self.state not in ("running", "starting", "recovering"):
+            return
+        now = self.clock()
+        self.recovery = Recovery(
+            "failure", self.plan.last_world_size, self.plan.last_step, now, now
+        )
+        if self.state != "recovering":
+            self._set_state(
+                "recovering",
+                reason="the job's supervisor was lost; a new one resumes it"
+                + (f" from the checkpoint of step {step}" if step is not None else ""),
+                restarts=0,
+            )
+
+    async def _latest_checkpoint(self) -> CheckpointInfo | None:
+        """The checkpoint to start from. When checkpoints exist but none is valid, the job
+        fails (:class:`NoValidCheckpoint`): it must not silently start over from step 0."""
+        info, skipped = await asyncio.to_thread(self.checkpoints.latest_valid)
+        for bad, why in skipped:
+            self._emit(
+                EventKind.CHECKPOINT_CORRUPT, {"step": bad.step, "path": bad.path, "reason": why}
+            )
+        if info is None and skipped:
+            steps = ", ".join(str(bad.step) for bad, _ in skipped)
+            self._set_state(
+                "failed",
+                reason=f"no valid checkpoint is left (steps {steps} fail verification); "
+                "the job does not start over from step 0",
+            )
+            raise NoValidCheckpoint
+        return info
+
+    async def _next_snapshot(self) -> Snapshot:
+        snap = await self.capacity.snapshot(self.version, self.timing.poll_s)
+        self.version = snap.version
+        now = self.clock()
+        self.suspects = {
+            n: t
+            for n, t in self.suspects.items()
+            if n in snap.alive and now - t < self.timing.suspect_ttl_s
+        }
+        return snap
+
+    async def _wait_for_release(self, expected: int) -> None:
+        """Give the ended attempt's surviving workers a moment to hand back their resources,
+        so the restart is not needlessly small."""
+        deadline = time.monotonic() + self.timing.release_wait_s
+        want = min(self.plan.max_workers, expected)
+        while time.monotonic() < deadline and not self.cancelled:
+            snap = await self.capacity.snapshot(self.version, deadline - time.monotonic())
+            self.version = snap.version
+            held = self.reservation.workers if self.reservation else 0
+            if snap.workers_free(self.plan.resources_per_worker, self.suspects) + held >= want:
+                return
+
+    async def _lost_nodes(self, attempt: Attempt, dead_ranks: list[int]) -> set[str]:
+        """The attempt's nodes that are gone: by Ray's membership, by a worker process that
+        died there, or by not answering a probe (the membership lags by seconds)."""
+        snap = await self.capacity.snapshot()
+        nodes = set(attempt.worker_nodes.values())
+        gone = {n for n in nodes if n not in snap.alive}
+        gone |= {attempt.worker_nodes[r] for r in dead_ranks if r in attempt.worker_nodes}
+        gone |= await self.capacity.unreachable(nodes - gone, self.timing.probe_s)
+        return gone
+
+    async def _drop_reservation(self) -> None:
+        if self.reservation is not None:
+            reservation, self.reservation = self.reservation, None
+            await self.capacity.release(reservation, hand_over=False)
+
+    def _too_few(self, fit: int, grace: bool) -> str:
+        per_worker = self.plan.resources_per_worker
+        text = (
+            f"only {fit} worker{'' if fit == 1 else 's'} of {per_worker} fit, "
+            f"below min_workers ({self.plan.min_workers})"
+        )
+        if grace:
+            return f"{text}, for longer than the {self.plan.min_workers_grace_s:g} s grace period"
+        return text
+
+    def _waiting(self, reason: str) -> None:
+        if reason != self.waiting_for:
+            self.waiting_for = reason
+            self._emit(EventKind.WAITING, {"reason": reason})
+
+    def _complete_recovery(self, attempt: Attempt) -> None:
+        r = self.recovery
+        assert r is not None
+        fields = r.fields(attempt.world_size, self.clock())
+        if r.kind != "grow" and r.checkpoint_step is not None:
+            self._emit(EventKind.RESTORED, {"kind": "restored", **fields})
+        if r.from_world != attempt.world_size:
+            self._emit(EventKind.RESIZED, {"kind": "resized", **fields})
+        self.recovery = None
+
+    def _set_state(self, target: str, reason: str | None = None, **extra: Any) -> None:
+        allowed = self.plan.transitions.get(self.state)
+        if allowed is not None and target not in allowed:
+            raise RuntimeError(f"illegal transition {self.state} -> {target}")
+        previous, self.state = self.state, target
+        self._emit(
+            EventKind.STATE, {"state": target, "previous": previous, "reason": reason, **extra}
+        )
+
+    def _emit(self, kind: EventKind, data: dict[str, Any]) -> None:
+        self.events.append(kind, data)

@@ -1,0 +1,36 @@
+"""What a job's supervisor is told to run: fixed for the supervisor's life."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SupervisorPlan:
+    job_id: str
+    train_loop: str  # "module:function" run by every Ray Train worker
+    train_config: dict[str, Any]
+    min_workers: int
+    max_workers: int
+    resources_per_worker: dict[str, float]
+    backend: str  # "gloo" or "nccl"
+    checkpoint_dir: str
+    every_steps: int
+    keep: int
+    max_restarts: int
+    min_workers_grace_s: float
+    actor_name: str
+    namespace: str
+    # A lost peer must surface as an error in seconds, not after torch's 30-minute default.
+    collective_timeout_s: int = 30
+    transitions: dict[str, list[str]] = field(default_factory=dict)
+    initial_state: str = "queued"
+    # Set when the service re-creates the supervisor of a job whose supervisor died: what the
+    # store knew of the job then.
+    recreated: bool = False
+    last_step: int = 0
+    last_world_size: int = 0
+    # Attempts are numbered from here: a re-created supervisor starts above every number
+    # its predecessor can have used, so that no two attempts of a job share one.
+    first_attempt: int = 1

@@ -1,0 +1,569 @@
+"""The supervisor's loop without Ray: a fake capacity source and a fake attempt runner stand
+in for the cluster, the test plays the workers, and every run takes milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
+
+import pytest
+
+from elastic.attempt import AttemptOutcome
+from elastic.attempt_runner import AttemptSpec
+from elastic.capacity import Reservation, Snapshot
+from elastic.checkpoints import CheckpointInfo
+from elastic.events import EventLog
+from elastic.job_loop import JobLoop, Timing
+from elastic.plan import SupervisorPlan
+from jobs.state import TRANSITIONS
+
+FAST = Timing(
+    poll_s=0.01,
+    suspect_ttl_s=60,
+    release_wait_s=0.02,
+    reserve_s=0.01,
+    start_s=0.3,
+    stop_grace_s=0.1,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeCluster:
+    """Nodes of one CPU each; a worker of a running fake attempt takes its node's CPU."""
+
+    def __init__(self, nodes: int) -> None:
+        self.free = {f"n{i}": 1.0 for i in range(nodes)}
+        self.alive = set(self.free)
+        self.version = 0
+        self.changed = asyncio.Event()
+        self.reserved: list[int] = []
+
+    def bump(self) -> None:
+        self.version += 1
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def take(self, node: str) -> None:
+        self.free[node] -= 1.0
+        self.bump()
+
+    def give(self, node: str) -> None:
+        if node in self.alive:
+            self.free[node] += 1.0
+            self.bump()
+
+    def kill(self, node: str) -> None:
+        self.alive.discard(node)
+        self.free.pop(node, None)
+        self.bump()
+
+    def add(self, node: str) -> None:
+        self.alive.add(node)
+        self.free[node] = 1.0
+        self.bump()
+
+    def free_nodes(self) -> list[str]:
+        return sorted(n for n, cpus in self.free.items() if cpus >= 1.0)
+
+
+class FakeCapacity:
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+        self.released: list[tuple[int, bool]] = []
+        self.silent: set[str] = set()  # dead, though the membership does not know it yet
+
+    async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
+        c = self.cluster
+        if c.version <= after_version and timeout_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(c.changed.wait(), timeout_s)
+        free = {n: {"CPU": cpus} for n, cpus in c.free.items()}
+        return Snapshot(c.version, frozenset(c.alive), free)
+
+    async def reserve(
+        self, workers: int, per_worker: Mapping[str, float], timeout_s: float
+    ) -> Reservation | None:
+        nodes = self.cluster.free_nodes()
+        if len(nodes) < workers:
+            return None
+        for node in nodes[:workers]:
+            self.cluster.take(node)
+        return Reservation(workers, nodes[:workers])
+
+    async def release(self, reservation: Reservation, hand_over: bool) -> None:
+        self.released.append((reservation.workers, hand_over))
+        for node in reservation.handle:
+            self.cluster.give(node)
+
+    async def settle(self) -> None:
+        pass
+
+    async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
+        return {n for n in nodes if n not in self.cluster.alive or n in self.silent}
+
+
+class FakeRunner:
+    """Each attempt's workers take free nodes when it starts; the test finishes it, or the
+    loop stops it."""
+
+    def __init__(self, cluster: FakeCluster) -> None:
+        self.cluster = cluster
+        self.specs: list[AttemptSpec] = []
+        self.nodes: list[str] = []
+        self.ending: asyncio.Future[AttemptOutcome] | None = None
+        self.stops = 0
+        self.place = True
+
+    async def run(self, spec: AttemptSpec) -> AttemptOutcome:
+        self.specs.append(spec)
+        self.nodes = self.cluster.free_nodes()[: spec.world_size] if self.place else []
+        for node in self.nodes:
+            self.cluster.take(node)
+        self.ending = asyncio.get_running_loop().create_future()
+        try:
+            return await self.ending
+        finally:
+            for node in self.nodes:
+                self.cluster.give(node)
+            self.nodes = []
+
+    def stop(self) -> None:
+        self.stops += 1
+        self.end(AttemptOutcome())
+
+    def end(self, outcome: AttemptOutcome) -> None:
+        if self.ending is not None and not self.ending.done():
+            self.ending.set_result(outcome)
+
+
+class FakeCheckpoints:
+    def __init__(self) -> None:
+        self.valid: list[int] = []
+        self.corrupt: list[int] = []
+
+    def latest_valid(self) -> tuple[CheckpointInfo | None, list[tuple[CheckpointInfo, str]]]:
+        skipped = [
+            (CheckpointInfo(s, f"/c/step_{s}", 1, 0.0), "fails its checksum")
+            for s in sorted(self.corrupt, reverse=True)
+            if not self.valid or s > max(self.valid)
+        ]
+        if not self.valid:
+            return None, skipped
+        step = max(self.valid)
+        return CheckpointInfo(step, f"/c/step_{step}", 1, 0.0), skipped
+
+
+def make_plan(**overrides: Any) -> SupervisorPlan:
+    fields: dict[str, Any] = {
+        "job_id": "job",
+        "train_loop": "m:f",
+        "train_config": {},
+        "min_workers": 1,
+        "max_workers": 3,
+        "resources_per_worker": {"CPU": 1.0},
+        "backend": "gloo",
+        "checkpoint_dir": "/c",
+        "every_steps": 10,
+        "keep": 3,
+        "max_restarts": 1,
+        "min_workers_grace_s": 0.2,
+        "actor_name": "sup",
+        "namespace": "ns",
+        "transitions": {s.value: [t.value for t in ts] for s, ts in TRANSITIONS.items()},
+    }
+    return SupervisorPlan(**(fields | overrides))
+
+
+class Harness:
+    def __init__(self, cluster: FakeCluster, **plan: Any) -> None:
+        self.cluster = cluster
+        self.clock = Clock()
+        self.runner = FakeRunner(cluster)
+        self.capacity = FakeCapacity(cluster)
+        self.checkpoints = FakeCheckpoints()
+        self.log = EventLog(1, clock=self.clock)
+        self.loop = JobLoop(
+            make_plan(**plan),
+            self.runner,
+            self.capacity,
+            self.checkpoints,
+            self.log,
+            FAST,
+            self.clock,
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.loop.run())
+
+    async def until(self, test: Callable[[], bool], what: str, timeout: float = 2.0) -> None:
+        async def wait() -> None:
+            while not test():
+                await asyncio.sleep(0.002)
+
+        try:
+            await asyncio.wait_for(wait(), timeout)
+        except TimeoutError:
+            raise AssertionError(f"timed out waiting for {what}; events: {self.kinds()}") from None
+
+    async def attempt(self, number: int) -> AttemptSpec:
+        await self.until(lambda: len(self.runner.specs) >= number, f"attempt {number}")
+        return self.runner.specs[number - 1]
+
+    async def workers_start(self, number: int, step: int) -> None:
+        """The attempt's workers register and report their first step."""
+        spec = await self.attempt(number)
+        await self.until(lambda: self.loop.attempt is not None, "the attempt")
+        for rank, node in enumerate(self.runner.nodes):
+            self.loop.register_worker(spec.attempt, rank, node)
+        self.metrics(spec.attempt, step)
+
+    def metrics(self, attempt: int, step: int, **extra: Any) -> None:
+        self.loop.record("metrics", {"attempt": attempt, "step": step, "world_size": 0} | extra)
+
+    def saved(self, attempt: int, step: int) -> None:
+        self.checkpoints.valid.append(step)
+        self.loop.record("checkpoint_saved", {"attempt": attempt, "step": step, "path": "p"})
+
+    async def finish(self) -> None:
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 3)
+
+    def kinds(self) -> list[str]:
+        return [e["kind"] for e in self.log.pending]
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e["data"] for e in self.log.pending if e["kind"] == kind]
+
+    def states(self) -> list[str]:
+        return [d["state"] for d in self.of("state")]
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_lost_node_shrinks_the_job_and_the_recovery_counts_from_the_first_signal() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(3))
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0] == AttemptSpec(1, 3, None)
+        h.saved(1, 10)
+        h.metrics(1, 13, completed_step=14)
+        lost = h.runner.nodes[1]
+        # The worker saw its collective fail 2 s before the membership caught up.
+        h.loop.record("failure_signal", {"attempt": 1, "rank": 0, "time": 998.0})
+        h.cluster.kill(lost)
+        await h.attempt(2)
+        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_10")
+        h.clock.now = 1007.5
+        await h.workers_start(2, step=11)
+
+        assert h.states() == ["starting", "running", "recovering", "running"]
+        (worker_lost,) = h.of("worker_lost")
+        assert worker_lost["nodes"] == [lost] and worker_lost["ranks"] == [1]
+        assert worker_lost["reason"] == f"node {lost} left the cluster"
+        (resized,) = h.of("resized")
+        assert resized == {
+            "kind": "resized",
+            "from_world": 3,
+            "to_world": 2,
+            "checkpoint_step": 10,
+            "steps_redone": 4,  # the last completed step (14), not the last reported (13)
+            "detection_seconds": 2.0,
+            "recovery_seconds": 9.5,
+            "attempts": 1,
+        }
+        assert h.of("restored") == [resized | {"kind": "restored"}]
+        assert h.loop.cancel("done") == "cancelled"
+        await h.finish()
+
+    run(body)
+
+
+def test_a_job_grows_only_once_the_capacity_is_reserved_for_it() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(2)
+        h = Harness(cluster)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].world_size == 2
+        assert not h.loop.should_pause(1, 10)  # nothing free: no reason to pause
+        cluster.add("n9")
+        await h.until(lambda: h.loop.reservation is not None, "a reservation")
+        assert cluster.free["n9"] == 0.0  # held for this job, before any pause
+        h.saved(1, 20)
+        assert h.loop.should_pause(1, 20)
+        h.runner.end(AttemptOutcome())  # the workers stop at the checkpoint
+        await h.attempt(2)
+        assert h.runner.specs[1] == AttemptSpec(2, 3, "/c/step_20")
+        # The start's reservation, then the grow's, each handed to the attempt it was for.
+        assert h.capacity.released == [(2, True), (1, True)]
+        await h.workers_start(2, step=21)
+        (grow,) = h.of("resized")
+        assert (grow["from_world"], grow["to_world"], grow["steps_redone"]) == (2, 3, 0)
+        assert h.of("restored") == []
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["starting", "running", "succeeded"]
+
+    run(body)
+
+
+def test_two_jobs_racing_for_one_free_slot_only_one_pauses() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        cluster.take("n1")
+        cluster.take("n2")
+        a = Harness(cluster, max_workers=2)
+        b = Harness(cluster, max_workers=2)
+        a.start()
+        await a.attempt(1)  # on n0
+        b.start()
+        cluster.give("n1")
+        await b.attempt(1)  # on n1
+        assert [h.runner.specs[0].world_size for h in (a, b)] == [1, 1]
+        cluster.give("n2")  # one free slot, and both jobs would grow into it
+        await a.workers_start(1, step=1)
+        await b.workers_start(1, step=1)
+        await a.until(
+            lambda: any(h.loop.reservation is not None for h in (a, b)), "one reservation"
+        )
+        await asyncio.sleep(0.05)  # the loser's attempt to reserve has come and gone
+        held = [h.loop.reservation is not None for h in (a, b)]
+        assert sorted(held) == [False, True]
+        assert [h.loop.should_pause(1, 10) for h in (a, b)] == held
+        for h in (a, b):
+            h.loop.cancel("done")
+            await h.finish()
+        assert cluster.free["n2"] == 1.0  # the cancelled job gave its reservation back
+
+    run(body)
+
+
+def test_errors_give_up_after_max_restarts_but_a_checkpoint_resets_the_count() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(1), max_restarts=1)
+        h.start()
+        for attempt in (1, 2, 3):
+            await h.workers_start(attempt, step=attempt * 10 - 9)
+            h.saved(attempt, attempt * 10)  # progress: the count starts again
+            h.runner.end(AttemptOutcome("rank 0: ValueError: boom"))
+        await h.workers_start(4, step=31)
+        h.runner.end(AttemptOutcome("rank 0: ValueError: boom"))  # 1st in a row: retried
+        await h.workers_start(5, step=31)
+        h.runner.end(AttemptOutcome("rank 0: ValueError: boom"))  # 2nd in a row: gives up
+        await h.finish()
+        assert h.loop.state == "failed"
+        assert h.of("state")[-1]["reason"] == (
+            "rank 0: ValueError: boom (gave up after 1 restart; max_restarts is 1)"
+        )
+        assert len(h.runner.specs) == 5
+
+    run(body)
+
+
+def test_node_losses_are_not_job_errors() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(2)
+        h = Harness(cluster, max_restarts=0, min_workers_grace_s=5)
+        h.start()
+        for attempt in range(1, 5):
+            await h.workers_start(attempt, step=1)
+            cluster.kill(h.runner.nodes[0])
+            cluster.add(f"new{attempt}")
+        await h.workers_start(5, step=1)
+        assert h.loop.state == "running"
+        assert len(h.of("worker_lost")) == 4
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+def test_a_recovery_over_several_attempts_reports_the_whole_span() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(2), max_restarts=3)
+        h.start()
+        await h.workers_start(1, step=1)
+        h.saved(1, 10)
+        h.metrics(1, 12)
+        h.runner.end(AttemptOutcome("rank 1: RuntimeError: gloo"))
+        await h.attempt(2)
+        h.clock.now += 4
+        h.runner.end(AttemptOutcome("rank 0: RuntimeError: again"))  # before its first step
+        await h.attempt(3)
+        h.clock.now += 3
+        await h.workers_start(3, step=11)
+        (restored,) = h.of("restored")
+        assert restored["attempts"] == 2 and restored["recovery_seconds"] == 7.0
+        assert restored["steps_redone"] == 2
+        assert h.states() == ["starting", "running", "recovering", "running"]
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+def test_cancel_mid_attempt_ends_the_attempt() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(2))
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.loop.cancel("cancelled by the user") == "cancelled"
+        await h.finish()
+        assert h.runner.stops >= 1 and len(h.runner.specs) == 1
+        assert h.states() == ["starting", "running", "cancelled"]
+        h.metrics(1, 2)  # late news is dropped
+        assert h.kinds()[-1] == "state"
+
+    run(body)
+
+
+def test_a_recreated_supervisor_resumes_from_the_latest_checkpoint() -> None:
+    async def body() -> None:
+        h = Harness(
+            FakeCluster(2),
+            initial_state="running",
+            recreated=True,
+            last_step=27,
+            last_world_size=3,
+            first_attempt=40,
+        )
+        h.checkpoints.valid = [10, 20]
+        h.start()
+        await h.workers_start(1, step=21)
+        assert h.runner.specs[0] == AttemptSpec(40, 2, "/c/step_20")
+        (note,) = h.of("supervisor_recreated")
+        assert note == {"previous_state": "running", "checkpoint_step": 20}
+        assert h.states() == ["recovering", "running"]
+        assert h.of("state")[0]["reason"] == (
+            "the job's supervisor was lost; a new one resumes it from the checkpoint of step 20"
+        )
+        (restored,) = h.of("restored")
+        assert (restored["from_world"], restored["to_world"], restored["steps_redone"]) == (3, 2, 7)
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+def test_when_every_checkpoint_is_corrupt_the_job_fails_instead_of_starting_over() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(1), max_restarts=3)
+        h.start()
+        await h.workers_start(1, step=1)
+        h.saved(1, 10)
+        h.checkpoints.valid.clear()
+        h.checkpoints.corrupt = [10]
+        h.runner.end(AttemptOutcome("rank 0: RuntimeError: gloo"))
+        await h.finish()
+        assert h.of("checkpoint_corrupt") == [
+            {"step": 10, "path": "/c/step_10", "reason": "fails its checksum"}
+        ]
+        assert h.loop.state == "failed" and len(h.runner.specs) == 1
+        assert h.of("state")[-1]["reason"] == (
+            "no valid checkpoint is left (steps 10 fail verification); "
+            "the job does not start over from step 0"
+        )
+
+    run(body)
+
+
+def test_workers_that_never_start_send_a_starting_job_back_to_queued_then_fail() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(2))
+        h.runner.place = False  # another job's workers took the slots: none is placed
+        h.start()
+        await h.until(lambda: len(h.runner.specs) == 4 or h.loop.state == "failed", "the end")
+        await h.finish()
+        assert h.states() == [
+            "starting",
+            "queued",
+            "starting",
+            "queued",
+            "starting",
+            "queued",
+            "starting",
+            "failed",
+        ]
+        reason = "only 0 of 2 workers started within 0.3 s"
+        assert h.of("state")[1]["reason"] == reason
+        assert h.of("state")[-1]["reason"] == (
+            f"{reason} (gave up after 3 worker groups in a row could not start; the limit is 3)"
+        )
+
+    run(body)
+
+
+def test_a_queued_job_that_loses_the_race_for_capacity_stays_queued_and_says_why() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(1)
+        h = Harness(cluster)
+        real_reserve = h.capacity.reserve
+        lost_once: list[bool] = []
+
+        async def reserve_after_a_rival(*args: Any) -> Reservation | None:
+            if not lost_once:  # a rival's reservation lands first
+                lost_once.append(True)
+                return None
+            return await real_reserve(*args)
+
+        h.capacity.reserve = reserve_after_a_rival  # type: ignore[method-assign]
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.of("waiting") == [{"reason": "1 free worker slots went to another job; waiting"}]
+        assert h.states() == ["starting", "running"]
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+@pytest.mark.parametrize("pending", [3])
+def test_the_event_log_is_bounded_and_says_what_it_dropped(pending: int) -> None:
+    from elastic.events import EventKind
+
+    log = EventLog(1, max_pending=pending)
+    for i in range(5):
+        log.append(EventKind.LOG, {"i": i})
+    log.append(EventKind.STATE, {"state": "running"})  # the story is always kept
+    assert [e["kind"] for e in log.pending] == ["log", "log", "log", "state"]
+    log.ack(3)
+    log.append(EventKind.METRICS, {"step": 1})
+    assert [(e["seq"], e["kind"]) for e in log.pending] == [
+        (4, "state"),
+        (5, "events_dropped"),
+        (6, "metrics"),
+    ]
+    assert log.pending[1]["data"] == {"log": 2}
+
+
+def test_a_failure_from_a_node_the_membership_still_shows_alive_is_a_node_loss() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        h = Harness(cluster, max_restarts=0)
+        h.start()
+        await h.workers_start(1, step=1)
+        dead = h.runner.nodes[2]
+        h.capacity.silent.add(dead)  # killed a moment ago: Ray has not noticed yet
+        h.runner.end(AttemptOutcome("rank 0: RuntimeError: Connection closed by peer"))
+        await h.attempt(2)
+        (lost,) = h.of("worker_lost")
+        assert lost["nodes"] == [dead] and lost["ranks"] == [2]
+        assert h.runner.specs[1].world_size == 2  # the silent node is left out of sizing
+        assert h.loop.state == "recovering"  # max_restarts=0, and still it goes on
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
