@@ -121,13 +121,37 @@ def test_a_bad_spec_is_refused_naming_the_field_and_creates_nothing(
 
 
 def test_malformed_requests_are_problems_not_500s(server: LiveServer) -> None:
+    """Each answer is a problem document whose body says what was wrong and where."""
     client = server.client()
-    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
-    assert client.get("/v1/jobs/job-nope").status_code == 404
-    assert client.get("/v1/jobs?state=sleeping").status_code == 422
-    assert client.get("/v1/jobs?cursor=abc").status_code == 400
-    assert client.get("/v1/nothing-here").json()["status"] == 404
+
+    def problem(r: httpx.Response, status: int) -> dict[str, Any]:
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        body = r.json()
+        assert body["status"] == status and body["instance"] == r.request.url.path
+        return dict(body)
+
+    body = problem(
+        client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}),
+        422,
+    )
+    assert body["title"] == "Invalid job spec"
+    assert [e["field"] for e in body["errors"]] == ["(body)"]
+    assert body["errors"][0]["message"].startswith("not valid JSON (at character 1")
+
+    body = problem(client.get("/v1/jobs/job-nope"), 404)
+    assert (body["title"], body["detail"]) == ("Not found", "no job 'job-nope'")
+
+    body = problem(client.get("/v1/jobs?state=sleeping"), 422)
+    assert body["title"] == "Invalid query parameter"
+    assert [e["field"] for e in body["errors"]] == ["query.state"]
+    assert "'queued'" in body["errors"][0]["message"]
+
+    body = problem(client.get("/v1/jobs?cursor=abc"), 400)
+    assert body["detail"] == "cursor: cursor is not one this service gave out"
+
+    body = problem(client.get("/v1/nothing-here"), 404)
+    assert body["title"] == "Not found"
 
 
 def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveServer) -> None:
