@@ -72,6 +72,28 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
         ("POST", "/v1/tokens/{token_id}/revoke"),
     } <= routes
     assert all(p.startswith("/v1/") for _, p in routes)
+    # Every route the app has, in the schema or not: the open ones are exactly the README's.
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    open_paths = {
+        getattr(r, "path", "") for r in server.app.routes if not str(r.path).startswith("/v1/")
+    }
+    assert open_paths == {
+        "/healthz",
+        "/readyz",
+        "/openapi.json",
+        "/docs",
+        "/docs-assets",
+        "/",
+        "/ui",
+        "/ui/vendor/uplot",
+        "/favicon.ico",
+    }
+    assert "except these, which answer without one and carry no data of any job or user" in readme
+    for path in open_paths - {"/ui/vendor/uplot"}:  # the vendor mount is part of /ui/
+        named = f"`{path}/`" if path == "/ui" else f"`{path}`"
+        assert named in readme, path
+    for path in ("/healthz", "/readyz", "/openapi.json", "/docs", "/", "/favicon.ico"):
+        assert anonymous.get(path).status_code == 200, path
     for method, path in sorted(routes):
         url = path.replace("{job_id}", "job-x").replace("{token_id}", "tok-x")
         for client in (anonymous, server.client(token="wrong")):
@@ -178,6 +200,12 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
 
     listed = client.get("/v1/jobs", params={"state": "succeeded"}).json()["items"]
     assert [j["id"] for j in listed] == [job["id"]]
+    # A page carries what the table shows: the job without its spec, with its worker bounds.
+    assert listed[0] == {
+        **{k: v for k, v in done.items() if k != "spec"},
+        "min_workers": 1,
+        "max_workers": 2,
+    }
 
     checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
     assert [c["step"] for c in checkpoints] == [30, 40, 50]  # keep: 3
