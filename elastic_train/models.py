@@ -21,7 +21,8 @@ class _Answer(BaseModel):
 
 
 class JobInfo(_Answer):
-    """One job as ``GET /v1/jobs/{id}`` answers it."""
+    """One job as ``GET /v1/jobs/{id}`` answers it; a page of ``GET /v1/jobs`` carries the
+    same without the spec (``spec`` is None there: fetch the job for it)."""
 
     id: str
     name: str
@@ -30,16 +31,18 @@ class JobInfo(_Answer):
     state: JobState
     message: str | None
     world_size: int
+    min_workers: int | None = None
+    max_workers: int | None = None
     step: int
     total_steps: int | None
     last_loss: float | None
     samples_per_s: float | None
     restarts: int
-    spec: dict[str, Any]
     created_at: datetime
     updated_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    spec: dict[str, Any] | None = None
 
 
 class Event(_Answer):

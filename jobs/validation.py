@@ -40,6 +40,13 @@ def describe(errors: Iterable[Mapping[str, Any]]) -> list[dict[str, str]]:
     """``[{"field": "scaling.min_workers", "message": "..."}]`` from pydantic's errors."""
     out = []
     for err in errors:
+        if err.get("type") == "json_invalid":
+            # FastAPI puts the character offset where a field would go: it names no field.
+            offset = err.get("loc", ("body", "?"))[-1]
+            reason = (err.get("ctx") or {}).get("error", "")
+            message = f"not valid JSON (at character {offset}{': ' + reason if reason else ''})"
+            out.append({"field": "(body)", "message": message})
+            continue
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         out.append({"field": ".".join(loc) or "(body)", "message": err["msg"]})
     return out

@@ -23,6 +23,7 @@ from service.schemas import (
     EventPage,
     JobOut,
     JobPage,
+    JobSummary,
     Limits,
     LogLine,
     LogPage,
@@ -152,7 +153,7 @@ def list_jobs(
     except ValueError as e:
         raise Problem(400, "Invalid request", f"cursor: {e}") from e
     return JobPage(
-        items=[JobOut.model_validate(j) for j in page.items], next_cursor=page.next_cursor
+        items=[JobSummary.model_validate(j) for j in page.items], next_cursor=page.next_cursor
     )
 
 

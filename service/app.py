@@ -7,6 +7,7 @@ import logging
 import signal
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -27,12 +28,20 @@ from service.streams import Hub
 
 log = logging.getLogger(__name__)
 
+DEFAULT_EXECUTOR_THREADS = 24
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # asyncio.to_thread's default pool has min(32, CPUs + 4) threads: 6 on two cores,
+        # shared by every async route's store calls and the event pump, so 50 clients
+        # submitting at once queued behind each other.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=DEFAULT_EXECUTOR_THREADS, thread_name_prefix="etrain")
+        )
         token = settings.ray_auth_token
         await asyncio.to_thread(
             launcher.connect,

@@ -104,6 +104,15 @@ def install(app: FastAPI, directory: Path | None = None) -> None:
             files.app / "index.html", headers={**HEADERS, "Cache-Control": "no-cache"}
         )
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        # Browsers ask for it on any page (the API's /docs too): a 404 is a console error.
+        return FileResponse(
+            files.app / "favicon.svg",
+            media_type="image/svg+xml",
+            headers={**HEADERS, "Cache-Control": "max-age=86400"},
+        )
+
     # Mounts stay out of the OpenAPI schema. The vendor mounts come first: /ui would
     # otherwise swallow their paths.
     for package in files.packages:

@@ -19,7 +19,10 @@ def _utc(moment: datetime) -> datetime:
 Timestamp = Annotated[datetime, AfterValidator(_utc)]
 
 
-class JobOut(BaseModel):
+class JobSummary(BaseModel):
+    """A job as the jobs list shows it: everything but its spec, and the spec's worker
+    bounds (the table's "world size / min..max")."""
+
     model_config = ConfigDict(from_attributes=True)
 
     id: str
@@ -29,20 +32,27 @@ class JobOut(BaseModel):
     state: JobState
     message: str | None
     world_size: int
+    min_workers: int
+    max_workers: int
     step: int
     total_steps: int | None
     last_loss: float | None
     samples_per_s: float | None
     restarts: int
-    spec: dict[str, Any]
     created_at: Timestamp
     updated_at: Timestamp
     started_at: Timestamp | None
     finished_at: Timestamp | None
 
 
+class JobOut(JobSummary):
+    """One job in full: its summary and the spec it was submitted with."""
+
+    spec: dict[str, Any]
+
+
 class JobPage(BaseModel):
-    items: list[JobOut]
+    items: list[JobSummary]
     next_cursor: str | None
 
 

@@ -68,6 +68,38 @@ class JobRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
+    @property
+    def min_workers(self) -> int:
+        return int(self.spec["scaling"]["min_workers"])
+
+    @property
+    def max_workers(self) -> int:
+        return int(self.spec["scaling"]["max_workers"])
+
+
+# What a page of the jobs list carries: the table's columns, the spec's worker bounds read in
+# the database, never the whole spec (decoding 50 specs' JSON a page was most of its time).
+SUMMARY_COLUMNS = (
+    JobRow.id,
+    JobRow.name,
+    JobRow.owner,
+    JobRow.workload,
+    JobRow.state,
+    JobRow.message,
+    JobRow.world_size,
+    JobRow.spec["scaling"]["min_workers"].as_integer().label("min_workers"),
+    JobRow.spec["scaling"]["max_workers"].as_integer().label("max_workers"),
+    JobRow.step,
+    JobRow.total_steps,
+    JobRow.last_loss,
+    JobRow.samples_per_s,
+    JobRow.restarts,
+    JobRow.created_at,
+    JobRow.updated_at,
+    JobRow.started_at,
+    JobRow.finished_at,
+)
+
 
 class EventRow(Base):
     __tablename__ = "job_events"
@@ -183,7 +215,8 @@ def new_job_id() -> str:
 
 @dataclass(frozen=True)
 class Page:
-    items: list[JobRow]
+    # Rows of SUMMARY_COLUMNS (attribute access, as a JobRow), without the spec.
+    items: list[Any]
     next_cursor: str | None
 
 
@@ -305,15 +338,15 @@ class Store:
         self, state: JobState | None, limit: int, cursor: str | None, owner: str | None = None
     ) -> Page:
         """Newest first; only ``owner``'s jobs when given."""
-        query = select(JobRow).order_by(JobRow.id.desc()).limit(limit + 1)
+        query = select(*SUMMARY_COLUMNS).order_by(JobRow.id.desc()).limit(limit + 1)
         if owner is not None:
             query = query.where(JobRow.owner == owner)
         if state is not None:
             query = query.where(JobRow.state == state.value)
         if cursor:
             query = query.where(JobRow.id < decode_cursor(cursor))
-        with self.session() as s:
-            rows = list(s.scalars(query))
+        with self.engine.connect() as conn:
+            rows = list(conn.execute(query))
         more = len(rows) > limit
         rows = rows[:limit]
         return Page(rows, encode_cursor(rows[-1].id) if more and rows else None)
@@ -671,12 +704,21 @@ def _fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
             row.removed = True
 
 
+# As many connections kept open as requests run at once (FastAPI's 40 threads for plain
+# routes, the event loop's executor for the rest): SQLAlchemy's default of 5 made 50
+# concurrent clients queue for a connection, and each overflow connection was opened (with
+# its PRAGMAs) and closed again per request (a profile under bench/api_load.py showed both).
+POOL: dict[str, Any] = {"pool_size": 40, "max_overflow": 24, "pool_timeout": 30}
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(
+            url, connect_args={"check_same_thread": False, "timeout": 30}, **POOL
+        )
 
         @event.listens_for(engine, "connect")
         def _pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -688,4 +730,4 @@ def _make_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, **POOL)

@@ -76,6 +76,53 @@ def ray_cluster() -> Iterator[ClusterPool]:
     cluster.shutdown()
 
 
+def end_every_job(timeout_s: float = 60.0) -> list[str]:
+    """Kill every job supervisor on the test cluster (which ends its attempt and workers),
+    remove the placement groups left behind, and wait until the pool's CPUs are free again.
+    Returns the supervisors' names, so a caller can tell that something was left running."""
+    import ray
+    from ray.util import placement_group_table, remove_placement_group
+    from ray.util.placement_group import PlacementGroup
+
+    from jobs.launcher import ACTOR_PREFIX
+
+    killed = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if not actor["name"].startswith(ACTOR_PREFIX):
+            continue
+        try:
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+        except ValueError:
+            continue  # it ended on its own between the listing and the lookup
+        ray.kill(handle, no_restart=True)
+        killed.append(actor["name"])
+    for pg_id, pg in placement_group_table().items():
+        if pg["state"] != "REMOVED":
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    if killed:
+        wait_for(
+            lambda: (
+                ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)
+            ),
+            timeout_s,
+            what="the pool's CPUs to be free after ending the leftover jobs",
+        )
+    return killed
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that failed half-way (before it cancelled its 1 000 000-step job) must not leave
+    a detached supervisor holding the shared pool for every later test."""
+    if "ray_cluster" not in request.fixturenames:
+        yield
+        return
+    pool = request.getfixturevalue("ray_cluster")
+    yield
+    end_every_job()
+    pool.restore_pool()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

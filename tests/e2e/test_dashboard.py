@@ -135,7 +135,10 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(page: Any, api: ht
     expect(row).to_have_attribute("data-state", "succeeded", timeout=120_000)
     expect(row.locator("td").nth(3)).to_have_text("30 / 30")  # the Step column
     assert page.evaluate("window.notReloaded") is True  # the table followed /v1/events
-    (job,) = api.get("/v1/jobs").json()["items"]
+    (listed,) = [j for j in api.get("/v1/jobs").json()["items"] if j["name"] == "dash-demo"]
+    assert "spec" not in listed  # a page of the list carries the table's columns only
+    assert (listed["min_workers"], listed["max_workers"]) == (1, 1)
+    job = api.get(f"/v1/jobs/{listed['id']}").json()
     assert job["name"] == "dash-demo" and job["state"] == "succeeded"
     assert job["spec"]["hyperparameters"]["max_steps"] == 30
     assert job["spec"]["hyperparameters"]["global_batch_size"] == 32

@@ -88,7 +88,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                 "authTokenSecret": {"name": "ray-token", "key": "auth_token"},
             },
         },
-        "checkpoints": {"storageUri": "s3://ckpt-bucket/elastic-train"},
+        # The external cluster mounts the same ReadWriteMany claim at the same path.
+        "checkpoints": {"persistence": {"existingClaim": "shared-checkpoints"}},
     },
     "postgres-secret": {
         "database": {"existingSecret": "etrain-pg", "existingSecretKey": "url"},
@@ -680,10 +681,17 @@ def test_external_ray_address() -> None:
     assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
         "secretKeyRef": {"name": "ray-token", "key": "auth_token"}
     }
-    # Checkpoints in an object store: no shared volume.
-    assert env["ETRAIN_CHECKPOINT_DIR"]["value"] == "s3://ckpt-bucket/elastic-train"
-    mounts = {m["name"] for m in api_container(objects)["volumeMounts"]}
-    assert mounts == {"tmp", "data"}
+    # Checkpoints on the claim the external cluster shares: the chart makes no claim of its own.
+    assert env["ETRAIN_CHECKPOINT_DIR"]["value"] == "/mnt/checkpoints"
+    mounts = {m["name"]: m["mountPath"] for m in api_container(objects)["volumeMounts"]}
+    assert mounts == {"tmp": "/tmp", "data": "/var/lib/etrain", "checkpoints": "/mnt/checkpoints"}
+    volumes = one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in volumes
+        if "persistentVolumeClaim" in v
+    }
+    assert claims["checkpoints"] == "shared-checkpoints"
     assert "raycluster-head-svc.ray.svc:10001" in notes_of("external-ray")
 
 
@@ -776,7 +784,22 @@ def test_every_value_is_documented() -> None:
     assert set(schema["required"]) <= set(values)
 
 
-def test_the_readme_values_example_installs() -> None:
+def test_an_object_store_uri_for_checkpoints_is_refused() -> None:
+    """The service writes checkpoints to a filesystem path only: a chart that passed
+    s3://... as ETRAIN_CHECKPOINT_DIR would deploy a service whose every job fails."""
+    for mode in ("kuberay", "external"):
+        values: dict[str, Any] = {
+            "ray": {"mode": mode, "external": {"address": "ray://head:10001"}},
+            "checkpoints": {"storageUri": "s3://ckpt-bucket/elastic-train"},
+        }
+        message = render_error(values)
+        assert (
+            "checkpoints.storageUri is s3://ckpt-bucket/elastic-train, but the service "
+            "writes checkpoints to a filesystem path only" in message
+        ), message
+
+
+def test_the_readme_values_example_renders() -> None:
     text = (ROOT / "helm" / "README.md").read_text()
     block = re.search(r"GPU workers and PostgreSQL:\n\n```yaml\n(.*?)```", text, re.S)
     assert block is not None

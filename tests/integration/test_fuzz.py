@@ -6,16 +6,20 @@ Bounded and derandomized so CI is reproducible."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from jobs.spec import JobSpec
+from jobs.workloads import WORKLOADS
+from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 from tests.conftest import TOKEN, LiveServer, make_settings, small_job
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -57,6 +61,19 @@ def _not_int_text() -> st.SearchStrategy[str]:
     return st.text(max_size=8).filter(lambda s: not s.strip().lstrip("+-").isdigit())
 
 
+# The values a spec may name, read from the models that accept them: a generator of invalid
+# values must never draw one of these (derandomisation only hid that it could).
+VALID_MODELS = set(get_args(ImageClassificationHyperparameters.model_fields["model"].annotation))
+
+
+def not_a_workload(s: str) -> bool:
+    return s not in WORKLOADS
+
+
+def not_a_model(s: str) -> bool:
+    return s not in VALID_MODELS
+
+
 # For each field, values it must refuse (none of them is valid, in any combination).
 INVALID: dict[str, st.SearchStrategy[Any]] = {
     "name": st.one_of(
@@ -65,7 +82,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
         st.text(alphabet="ab", min_size=129, max_size=140),
         st.integers(),
     ),
-    "workload": st.text(max_size=40).filter(lambda s: s != "image-classification"),
+    "workload": st.text(max_size=40).filter(not_a_workload),
     "scaling.min_workers": st.one_of(
         st.integers(max_value=0), st.integers(min_value=1025), _not_int_text(), st.none()
     ),
@@ -88,9 +105,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "hyperparameters.learning_rate": st.one_of(
         st.floats(max_value=0, allow_infinity=False), st.floats(min_value=100.001, max_value=1e12)
     ),
-    "hyperparameters.model": st.text(max_size=12).filter(
-        lambda s: s not in {"resnet18", "small_cnn"}
-    ),
+    "hyperparameters.model": st.text(max_size=12).filter(not_a_model),
     "hyperparameters.unknown_knob": st.integers(),
     "surprise": st.integers(),
 }
@@ -111,6 +126,26 @@ def _with(body: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 def invalid_spec(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     field = draw(st.sampled_from(sorted(INVALID)))
     return field, _with(small_job(), field, draw(INVALID[field]))
+
+
+def test_the_invalid_generators_exclude_every_valid_value() -> None:
+    assert {"image-classification", "text-classification"} <= set(WORKLOADS)
+    assert not any(not_a_workload(w) for w in WORKLOADS)
+    assert {"resnet18", "resnet34", "small_cnn"} <= VALID_MODELS
+    assert not any(not_a_model(m) for m in VALID_MODELS)
+
+
+@given(invalid_spec())
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_generated_spec_is_invalid_in_its_field(case: tuple[str, dict[str, Any]]) -> None:
+    """Random (not derandomised) draws, checked by the spec model itself: what the server
+    test below sends is invalid by construction, not by luck of the seed. Limits that need
+    the cluster (none of these fields' bounds do) are the server's."""
+    field, body = case
+    with pytest.raises(ValidationError) as refused:
+        JobSpec.model_validate(body)
+    named = {".".join(str(p) for p in e["loc"]) for e in refused.value.errors()}
+    assert any(n == field or n.startswith(field + ".") for n in named), (field, named)
 
 
 def test_every_invalid_spec_is_a_4xx_naming_its_field(fuzz_server: LiveServer) -> None:

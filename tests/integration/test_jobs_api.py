@@ -72,6 +72,28 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
         ("POST", "/v1/tokens/{token_id}/revoke"),
     } <= routes
     assert all(p.startswith("/v1/") for _, p in routes)
+    # Every route the app has, in the schema or not: the open ones are exactly the README's.
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    open_paths = {
+        getattr(r, "path", "") for r in server.app.routes if not str(r.path).startswith("/v1/")
+    }
+    assert open_paths == {
+        "/healthz",
+        "/readyz",
+        "/openapi.json",
+        "/docs",
+        "/docs-assets",
+        "/",
+        "/ui",
+        "/ui/vendor/uplot",
+        "/favicon.ico",
+    }
+    assert "except these, which answer without one and carry no data of any job or user" in readme
+    for path in open_paths - {"/ui/vendor/uplot"}:  # the vendor mount is part of /ui/
+        named = f"`{path}/`" if path == "/ui" else f"`{path}`"
+        assert named in readme, path
+    for path in ("/healthz", "/readyz", "/openapi.json", "/docs", "/", "/favicon.ico"):
+        assert anonymous.get(path).status_code == 200, path
     for method, path in sorted(routes):
         url = path.replace("{job_id}", "job-x").replace("{token_id}", "tok-x")
         for client in (anonymous, server.client(token="wrong")):
@@ -121,13 +143,37 @@ def test_a_bad_spec_is_refused_naming_the_field_and_creates_nothing(
 
 
 def test_malformed_requests_are_problems_not_500s(server: LiveServer) -> None:
+    """Each answer is a problem document whose body says what was wrong and where."""
     client = server.client()
-    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
-    assert client.get("/v1/jobs/job-nope").status_code == 404
-    assert client.get("/v1/jobs?state=sleeping").status_code == 422
-    assert client.get("/v1/jobs?cursor=abc").status_code == 400
-    assert client.get("/v1/nothing-here").json()["status"] == 404
+
+    def problem(r: httpx.Response, status: int) -> dict[str, Any]:
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        body = r.json()
+        assert body["status"] == status and body["instance"] == r.request.url.path
+        return dict(body)
+
+    body = problem(
+        client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}),
+        422,
+    )
+    assert body["title"] == "Invalid job spec"
+    assert [e["field"] for e in body["errors"]] == ["(body)"]
+    assert body["errors"][0]["message"].startswith("not valid JSON (at character 1")
+
+    body = problem(client.get("/v1/jobs/job-nope"), 404)
+    assert (body["title"], body["detail"]) == ("Not found", "no job 'job-nope'")
+
+    body = problem(client.get("/v1/jobs?state=sleeping"), 422)
+    assert body["title"] == "Invalid query parameter"
+    assert [e["field"] for e in body["errors"]] == ["query.state"]
+    assert "'queued'" in body["errors"][0]["message"]
+
+    body = problem(client.get("/v1/jobs?cursor=abc"), 400)
+    assert body["detail"] == "cursor: cursor is not one this service gave out"
+
+    body = problem(client.get("/v1/nothing-here"), 404)
+    assert body["title"] == "Not found"
 
 
 def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveServer) -> None:
@@ -154,6 +200,12 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
 
     listed = client.get("/v1/jobs", params={"state": "succeeded"}).json()["items"]
     assert [j["id"] for j in listed] == [job["id"]]
+    # A page carries what the table shows: the job without its spec, with its worker bounds.
+    assert listed[0] == {
+        **{k: v for k, v in done.items() if k != "spec"},
+        "min_workers": 1,
+        "max_workers": 2,
+    }
 
     checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
     assert [c["step"] for c in checkpoints] == [30, 40, 50]  # keep: 3

@@ -10,10 +10,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from jobs.spec import JobSpec
-from service.api import _fingerprint
-from tests.conftest import LiveServer, create_user_token, make_settings, small_job
+from tests.conftest import (
+    PG_URL_ENV,
+    STORE_BACKENDS,
+    LiveServer,
+    create_user_token,
+    database_url,
+    make_settings,
+    small_job,
+    wait_for,
+)
 from tests.integration.test_access import LONG
 
 
@@ -50,20 +58,39 @@ def test_the_same_key_and_body_return_the_original_job(server: LiveServer) -> No
     _cancel_all(client)
 
 
-def test_a_retry_while_the_first_is_processed_is_409(server: LiveServer) -> None:
-    client = server.client()
-    store = server.app.state.store
-    # The first request has claimed the key and is still placing its job.
-    assert (
-        store.claim_idempotency_key(
-            "admin", "busy", _fingerprint(JobSpec.model_validate(LONG)), 120
-        )
-        is None
-    )
-    r = client.post("/v1/jobs", json=LONG, headers={"Idempotency-Key": "busy"})
-    assert r.status_code == 409, r.text
-    assert r.headers["retry-after"] == "1" and r.json()["title"] == "Request in progress"
-    assert client.get("/v1/jobs").json()["items"] == []
+@pytest.mark.skipif("postgresql" not in STORE_BACKENDS, reason=f"needs PostgreSQL ({PG_URL_ENV})")
+def test_a_retry_while_the_first_is_processed_is_409(ray_cluster: Any, tmp_path: Path) -> None:
+    """Two real requests with one key. The first is held mid-submission by a real lock: another
+    session of the database holds the job_events table, so the first request has claimed its
+    key (another table) and waits to write its job's first event. The retry meanwhile is 409;
+    once the lock goes, the first makes the job and a later retry gets it."""
+    from sqlalchemy import create_engine, text
+
+    with (
+        database_url("postgresql", tmp_path) as url,
+        LiveServer(make_settings(tmp_path, database_url=url)) as live,
+        live.client() as c,
+    ):
+        key = {"Idempotency-Key": "busy"}
+        locker = create_engine(url)
+        with ThreadPoolExecutor(1) as pool, locker.connect() as lock:
+            lock.execute(text("LOCK TABLE job_events IN EXCLUSIVE MODE"))
+            first = pool.submit(c.post, "/v1/jobs", json=LONG, headers=key)
+            claimed = text("SELECT count(*) FROM idempotency_keys WHERE key = 'busy'")
+            wait_for(lambda: lock.execute(claimed).scalar() == 1, 30, what="the key claimed")
+            retry = c.post("/v1/jobs", json=LONG, headers=key)
+            assert retry.status_code == 409, retry.text
+            assert retry.headers["retry-after"] == "1"
+            assert retry.json()["title"] == "Request in progress"
+            assert not first.done()  # the first was in flight all along
+            lock.rollback()  # the lock goes
+            made = first.result(timeout=60)
+        locker.dispose()
+        assert made.status_code == 201, made.text
+        again = c.post("/v1/jobs", json=LONG, headers=key)
+        assert again.status_code == 200 and again.json()["id"] == made.json()["id"]
+        assert [j["id"] for j in c.get("/v1/jobs").json()["items"]] == [made.json()["id"]]
+        _cancel_all(c)
 
 
 def test_fifty_concurrent_identical_submissions_make_one_job(server: LiveServer) -> None:

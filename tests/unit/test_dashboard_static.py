@@ -35,6 +35,17 @@ def test_the_app_and_its_library_are_served_without_a_token(client: TestClient) 
     assert client.get("/ui/nope.js").status_code == 404
 
 
+def test_the_icon_is_served_where_browsers_ask_for_it(client: TestClient) -> None:
+    """A 404 at /favicon.ico is a console error on every page load."""
+    page = client.get("/")
+    assert '<link rel="icon" href="ui/favicon.svg" type="image/svg+xml">' in page.text
+    for path in ("/favicon.ico", "/ui/favicon.svg"):
+        icon = client.get(path)
+        assert icon.status_code == 200, path
+        assert icon.headers["content-type"].startswith("image/svg+xml")
+        assert icon.text.startswith("<svg ")
+
+
 def test_the_dashboard_stays_out_of_the_schema_and_shadows_nothing(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     assert not [p for p in paths if not p.startswith("/v1/") and p not in ("/healthz", "/readyz")]

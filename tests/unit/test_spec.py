@@ -145,3 +145,21 @@ def test_a_custom_entrypoint_keeps_free_hyperparameters() -> None:
     spec = JobSpec.model_validate(data)
     assert spec.is_custom
     assert spec.hyperparameters == {"anything": [1, 2]}
+
+
+def test_a_body_that_is_not_json_is_named_as_the_body_not_as_a_character_offset() -> None:
+    from jobs.validation import describe
+
+    error = {
+        "type": "json_invalid",
+        "loc": ("body", 1),
+        "msg": "JSON decode error",
+        "ctx": {"error": "Expecting property name enclosed in double quotes"},
+    }
+    assert describe([error]) == [
+        {
+            "field": "(body)",
+            "message": "not valid JSON (at character 1: "
+            "Expecting property name enclosed in double quotes)",
+        }
+    ]

@@ -75,8 +75,7 @@ export function jobDuration(job) {
 }
 
 export function worldText(job) {
-  const s = job.spec?.scaling || {};
-  return `${job.world_size} / ${s.min_workers ?? "?"}..${s.max_workers ?? "?"}`;
+  return `${job.world_size} / ${job.min_workers ?? "?"}..${job.max_workers ?? "?"}`;
 }
 
 export function progress(job) {
