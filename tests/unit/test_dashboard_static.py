@@ -48,11 +48,13 @@ def test_the_icon_is_served_where_browsers_ask_for_it(client: TestClient) -> Non
 
 def test_the_dashboard_stays_out_of_the_schema_and_shadows_nothing(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
-    assert not [p for p in paths if not p.startswith("/v1/") and p not in ("/healthz", "/readyz")]
+    outside = ("/healthz", "/readyz", "/metrics")
+    assert not [p for p in paths if not p.startswith("/v1/") and p not in outside]
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/docs").status_code == 200
     assert client.get("/v1/jobs").status_code == 401  # the API still wants its token
     assert client.get("/v1/cluster").status_code == 401
+    assert client.get("/metrics").status_code == 401
 
 
 def test_without_npm_ci_the_page_says_what_to_run(tmp_path: Path) -> None:
