@@ -26,6 +26,7 @@ import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -185,61 +186,79 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-@pytest.fixture(scope="module")
-def service(installed: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    image_env = _image_env()
-    assert image_env["ETRAIN_DASHBOARD_DIR"] == "/opt/etrain/dashboards"
-    port = free_port()
-    data = installed / "data"
-    data.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
-    env.update(
-        {
-            "ETRAIN_PORT": str(port),
-            "ETRAIN_DATA_DIR": str(data),
-            "ETRAIN_API_TOKEN": TOKEN,
-            "ETRAIN_DASHBOARD_DIR": (installed / "dashboard-dir").read_text(),
-            "ETRAIN_RAY_NUM_CPUS": "2",
-            "ETRAIN_RAY_DASHBOARD_PORT": str(free_port()),
-            "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
-            "ETRAIN_LOG_LEVEL": "warning",
-        }
-    )
-    log = open(installed / "serve.log", "wb")  # noqa: SIM115 - closed in the teardown
-    proc = subprocess.Popen(
-        [str(installed / "venv" / "bin" / "etrain"), "serve"],
-        cwd=installed,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+class Service:
+    """`etrain serve` of the installed project, on the embedded default; it can be killed
+    and started again on the same data directory, as a reboot or an upgrade would."""
 
-    def ready() -> bool:
-        assert proc.poll() is None, (installed / "serve.log").read_text()[-3000:]
-        try:
-            return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def __init__(self, installed: Path) -> None:
+        self.installed = installed
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        data = installed / "data"
+        data.mkdir(exist_ok=True)
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
+        self.env.update(
+            {
+                "ETRAIN_PORT": str(self.port),
+                "ETRAIN_DATA_DIR": str(data),
+                "ETRAIN_API_TOKEN": TOKEN,
+                "ETRAIN_DASHBOARD_DIR": (installed / "dashboard-dir").read_text(),
+                "ETRAIN_RAY_NUM_CPUS": "2",
+                "ETRAIN_RAY_DASHBOARD_PORT": str(free_port()),
+                "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+                "ETRAIN_LOG_LEVEL": "warning",
+            }
+        )
+        self.log = installed / "serve.log"
+        self.proc: subprocess.Popen[bytes] | None = None
 
-    try:
+    def start(self) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as log:
+            proc = subprocess.Popen(
+                [str(self.installed / "venv" / "bin" / "etrain"), "serve"],
+                cwd=self.installed,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.proc = proc
+
+        def ready() -> bool:
+            assert proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                return httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
         wait_for(ready, timeout=180, interval=0.5, what="etrain serve to be ready")
-        yield url, proc
-    finally:
+        return proc
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        log.close()
 
 
-def test_the_installed_service_serves_the_dashboard(
-    service: tuple[str, subprocess.Popen[bytes]],
-) -> None:
-    url, _ = service
+@pytest.fixture(scope="module")
+def service(installed: Path) -> Iterator[Service]:
+    assert _image_env()["ETRAIN_DASHBOARD_DIR"] == "/opt/etrain/dashboards"
+    served = Service(installed)
+    try:
+        served.start()
+        yield served
+    finally:
+        served.stop()
+
+
+def test_the_installed_service_serves_the_dashboard(service: Service) -> None:
+    url = service.url
     page = httpx.get(f"{url}/")
     assert page.status_code == 200, page.text[:500]
     assert '<script type="module" src="ui/js/main.js">' in page.text
@@ -250,9 +269,11 @@ def test_the_installed_service_serves_the_dashboard(
 
 
 def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
-    service: tuple[str, subprocess.Popen[bytes]],
+    service: Service,
 ) -> None:
-    url, proc = service
+    url = service.url
+    proc = service.proc
+    assert proc is not None
     api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     readme = (ROOT / "README.md").read_text()
     start = readme.index('{"name": "demo"')
@@ -278,3 +299,65 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
     assert seen, "found no listening sockets at all: the check would prove nothing"
     exposed = sorted(a for a in seen if not a.startswith(LOOPBACK))
     assert exposed == [], f"listening beyond loopback: {exposed}"
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Processes still in the session ``sid`` (the killed service's, with its Ray)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    found.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return found
+
+
+def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> None:
+    """The embedded Ray ends with the service; a job that was running resumes from its
+    latest checkpoint when the service comes back, and its steps end at max_steps."""
+    api = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"})
+    spec = small_job(max_steps=400)
+    spec["name"] = "survivor"
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    checkpoint = wait_for(
+        lambda: (c := api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]) and c,
+        timeout=180,
+        what="a first checkpoint",
+    )
+    assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
+    old = service.proc
+    assert old is not None
+    old.send_signal(signal.SIGKILL)
+    old.wait()
+    # Nothing of the old instance trains on: Ray's processes share the service's fate.
+    wait_for(
+        lambda: not _session_processes(old.pid),
+        timeout=60,
+        what="the killed service's Ray processes to end",
+    )
+    service.start()
+    job = wait_for(
+        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        timeout=300,
+        interval=1,
+        what="the job to end after the restart",
+    )
+    assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 400, 400)
+    events: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = api.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
+        events += page.json()["items"]
+        if page.json()["next_after"] == after:
+            break
+        after = page.json()["next_after"]
+    kinds = [e["kind"] for e in events]
+    assert "supervisor_recreated" in kinds, kinds
+    last_restore = len(kinds) - 1 - kinds[::-1].index("restored")
+    resumed_at = events[last_restore]["data"]["checkpoint_step"]
+    assert resumed_at >= checkpoint[0]["step"]
+    # After the restore, each step is reported once, in order, up to max_steps.
+    steps = [e["data"]["step"] for e in events[last_restore:] if e["kind"] == "metrics"]
+    assert steps == sorted(set(steps)) and steps[0] > resumed_at and steps[-1] == 400

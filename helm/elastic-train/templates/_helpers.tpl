@@ -186,6 +186,9 @@ them, so that a wrong combination fails the render with one clear sentence.
 {{- if and (eq .Values.ray.mode "kuberay") .Values.networkPolicy.enabled .Values.ray.kuberay.dashboard.ingress.enabled (not .Values.ray.kuberay.dashboard.allowFrom) }}
 {{- fail "ray.kuberay.dashboard.ingress.enabled is true but ray.kuberay.dashboard.allowFrom is empty: the NetworkPolicy would block the ingress controller. List its pods/namespace there." }}
 {{- end }}
+{{- if and (eq .Values.ray.mode "kuberay") .Values.ray.kuberay.gcsFaultTolerance.enabled (not .Values.ray.kuberay.gcsFaultTolerance.redisAddress) }}
+{{- fail "ray.kuberay.gcsFaultTolerance.enabled is true but its redisAddress is empty: set it to the Redis that keeps the head's state, e.g. redis-master.redis.svc:6379." }}
+{{- end }}
 {{- if and (eq .Values.ray.mode "kuberay") (not .Values.ray.kuberay.workerGroups) }}
 {{- fail "ray.mode is kuberay but ray.kuberay.workerGroups is empty: give at least one worker group." }}
 {{- end }}

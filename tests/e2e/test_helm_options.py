@@ -1,6 +1,7 @@
-"""The chart's monitoring: the scrape-only metrics token, the Prometheus Operator
-ServiceMonitor and the Grafana dashboard, rendered by the real Helm engine. The dashboard's
-queries are checked against the series the service really exposes."""
+"""The chart's optional parts, rendered by the real Helm engine: monitoring (the scrape-only
+metrics token, the Prometheus Operator ServiceMonitor and the Grafana dashboard, whose
+queries are checked against the series the service really exposes) and the head's GCS
+fault tolerance with an external Redis."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import ServiceMetrics
@@ -156,3 +158,35 @@ def test_the_grafana_dashboard_queries_only_series_the_service_exposes(tmp_path:
     # Every family the service exposes has a panel.
     families = {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in series}
     assert families == {re.sub(r"_(total|bucket|sum|count)$", "", n) for n in used}
+
+
+def test_gcs_fault_tolerance_keeps_the_head_state_in_redis() -> None:
+    objects = render_objects(
+        {
+            "ray": {
+                "kuberay": {
+                    "gcsFaultTolerance": {
+                        "enabled": True,
+                        "redisAddress": "redis-master.redis.svc:6379",
+                        "passwordSecret": {"name": "redis", "key": "redis-password"},
+                        "externalStorageNamespace": "etrain",
+                    }
+                }
+            }
+        }
+    )
+    cluster = one(objects, "RayCluster")
+    password = {"secretKeyRef": {"name": "redis", "key": "redis-password"}}
+    assert cluster["spec"]["gcsFaultToleranceOptions"] == {
+        "redisAddress": "redis-master.redis.svc:6379",
+        "redisPassword": {"valueFrom": password},
+        "externalStorageNamespace": "etrain",
+    }
+    # Off by default: no Redis is assumed.
+    assert "gcsFaultToleranceOptions" not in one(render_objects({}), "RayCluster")["spec"]
+
+
+def test_gcs_fault_tolerance_without_a_redis_address_is_refused() -> None:
+    with pytest.raises(helm.HelmRenderError) as refused:
+        render_objects({"ray": {"kuberay": {"gcsFaultTolerance": {"enabled": True}}}})
+    assert "gcsFaultTolerance.enabled is true but its redisAddress is empty" in str(refused.value)
