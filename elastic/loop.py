@@ -630,6 +630,8 @@ def run_with_context(
     ctx = TrainContext(config, worker or WorkerContext.from_config(config))
     try:
         train_loop(config, ctx)
+        # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
+        ctx.checkpoints.wait()
     except PausedForResize:
         return
     except Exception:
@@ -645,8 +647,8 @@ def run_with_context(
                 },
             )
         raise
-    # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
-    ctx.checkpoints.wait()
+    finally:
+        ctx.worker.close()  # the TensorBoard points so far reach the disk, whatever happened
 
 
 __all__ = [

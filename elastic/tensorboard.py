@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,12 @@ FLUSH_S = 5
 
 def directory(checkpoint_dir: str) -> str:
     return os.path.join(checkpoint_dir, DIRNAME)
+
+
+def resumed_step(resume_path: str | None) -> int:
+    """The step of the checkpoint an attempt starts from (``.../step_0000000050``), 0 if none."""
+    found = re.search(r"step_(\d+)$", os.path.normpath(resume_path)) if resume_path else None
+    return int(found.group(1)) if found else 0
 
 
 class TensorBoardLog:

@@ -11,6 +11,7 @@ import ray.train
 import torch
 
 from elastic.checkpoints import CheckpointDir
+from elastic.tensorboard import TensorBoardLog, resumed_step
 from elastic.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class WorkerContext:
     local_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     # The last step whose optimizer step finished (the loop keeps it current).
     completed_step: int = 0
+    # Rank 0 of a job's attempt draws what it reports into TensorBoard event files.
+    tensorboard: TensorBoardLog | None = None
     checkpoints: CheckpointDir = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +77,13 @@ class WorkerContext:
             supervisor.register_worker.remote(
                 meta.attempt, ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
             )
+            if worker.rank == 0:
+                worker.tensorboard = TensorBoardLog(
+                    meta.checkpoint_dir,
+                    meta.attempt,
+                    worker.world_size,
+                    resumed_step(meta.resume_path),
+                )
         return worker
 
     @classmethod
@@ -108,6 +118,13 @@ class WorkerContext:
             self.supervisor.record.remote(kind, {"attempt": self.attempt, **data})
         else:
             self.local_events.append((kind, {"attempt": self.attempt, **data}))
+        if self.tensorboard is not None:
+            self.tensorboard.record(kind, data)
+
+    def close(self) -> None:
+        """Flush what the worker writes besides checkpoints (its TensorBoard files)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def should_pause(self, step: int) -> bool:
         """Rank 0, at a checkpoint: does the supervisor want to restart bigger from here?

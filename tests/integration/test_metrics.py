@@ -1,5 +1,6 @@
 """`GET /metrics` on the real service: who may scrape it, and the series a Prometheus server
-would read while a job runs and after it ends, parsed with prometheus-client's own parser."""
+would read while a job runs and after it ends, parsed with prometheus-client's own parser;
+and the job's TensorBoard files, read with TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import LiveServer, create_user_token, make_settings, small_job, wait_for
 
@@ -105,6 +107,20 @@ def test_a_running_job_and_the_requests_that_made_it_show_as_series(
             if api.get(f"/v1/jobs/{job['id']}").json()["state"] not in TERMINAL:
                 api.post(f"/v1/jobs/{job['id']}/cancel")
     assert done["state"] == "succeeded"
+    # TensorBoard, read by its own reader, holds the curve the API serves, point for point.
+    with live.client() as api:
+        series = api.get(f"/v1/jobs/{job['id']}/metrics").json()
+    board = EventAccumulator(
+        str(Path(live.settings.resolved_checkpoint_dir) / job["id"] / "tensorboard"),
+        size_guidance={"scalars": 0, "tensors": 0},
+    )
+    board.Reload()
+    loss = [(e.step, e.value) for e in board.Scalars("train/loss")]
+    assert loss == pytest.approx(list(zip(series["step"], series["loss"], strict=True)))
+    assert [e.value for e in board.Scalars("train/world_size")] == series["world_size"]
+    markers = [e.tensor_proto.string_val[0].decode() for e in board.Tensors("events/text_summary")]
+    assert markers[0] == "attempt 1 began at world size 2, from the start"
+    assert "checkpoint saved at step 10" in markers
     after = scrape(live)
     # A finished job leaves the per-job series; the count by state keeps it.
     assert value(after, "etrain_job_step", job=job["id"], owner="admin") is None
