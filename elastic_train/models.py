@@ -68,7 +68,7 @@ class Checkpoint(_Answer):
     step: int
     path: str
     size_bytes: int
-    created_at: float
+    created_at: datetime
 
 
 class LogLine(_Answer):

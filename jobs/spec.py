@@ -154,10 +154,10 @@ class JobSpec(BaseModel):
         max_length=256,
     )
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
-    scaling: ScalingSpec = Field(default_factory=ScalingSpec)  # type: ignore[arg-type]
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)  # type: ignore[arg-type]
-    failure: FailureSpec = Field(default_factory=FailureSpec)  # type: ignore[arg-type]
-    distributed: DistributedSpec = Field(default_factory=DistributedSpec)  # type: ignore[arg-type]
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    failure: FailureSpec = Field(default_factory=FailureSpec)
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec)
 
     @property
     def is_custom(self) -> bool:

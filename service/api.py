@@ -30,7 +30,7 @@ from service.schemas import (
     Me,
     MetricSeries,
 )
-from service.store import Store
+from service.store import JobRow, Store
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=PROBLEM_RESPONSES)
 
@@ -41,18 +41,20 @@ IDEMPOTENCY_STALE_S = 120.0
 
 
 def _control(request: Request) -> JobControl:
-    return request.app.state.control
+    control: JobControl = request.app.state.control
+    return control
 
 
 def _store(request: Request) -> Store:
-    return request.app.state.store
+    store: Store = request.app.state.store
+    return store
 
 
 Control = Annotated[JobControl, Depends(_control)]
 StoreDep = Annotated[Store, Depends(_store)]
 
 
-def _job(store: Store, job_id: str, caller: Caller):
+def _job(store: Store, job_id: str, caller: Caller) -> JobRow:
     """The job, if the caller may see it: another user's job is as absent as a missing one,
     so that ids cannot be probed."""
     job = store.get_job(job_id)

@@ -33,13 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     token, generated = resolve_admin_token(settings)
     url = f"http://{settings.host}:{settings.port}"
     print(f"elastic-train on {url}  (API docs: {url}/docs)", flush=True)
-    if settings.api_token is not None:
-        # A configured token stays out of the logs (on Kubernetes they are widely readable).
-        print("admin token: the one in ETRAIN_API_TOKEN", flush=True)
-    else:
-        where = settings.data_dir / TOKEN_FILE
-        how = "generated, stored in" if generated else "from"
-        print(f"admin token ({how} {where}): {token}", flush=True)
+    print(admin_token_notice(settings, token, generated), flush=True)
 
     from service.app import create_app
 
@@ -51,6 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     server = GracefulServer(app.state.hub, server_config(app, settings))
     server.run()
     return 0
+
+
+def admin_token_notice(settings: Settings, token: str, generated: bool) -> str:
+    """What start-up says of the admin token. The secret itself is printed once, when it is
+    generated: later starts (and a configured token, which would otherwise land in logs
+    that on Kubernetes are widely readable) only say where it is."""
+    if settings.api_token is not None:
+        return "admin token: the one in ETRAIN_API_TOKEN"
+    where = settings.data_dir / TOKEN_FILE
+    if generated:
+        return f"admin token (generated, stored in {where}, shown this once): {token}"
+    return f"admin token: in {where}"
 
 
 class GracefulServer(uvicorn.Server):

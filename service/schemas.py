@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from jobs.state import JobState
 
@@ -17,6 +17,15 @@ def _utc(moment: datetime) -> datetime:
 
 
 Timestamp = Annotated[datetime, AfterValidator(_utc)]
+
+
+def _from_unix(moment: object) -> object:
+    # Checkpoints record their time as Unix seconds (the workers write it); the API answers
+    # every time in one format, RFC 3339 with its offset.
+    return datetime.fromtimestamp(moment, UTC) if isinstance(moment, int | float) else moment
+
+
+UnixTimestamp = Annotated[datetime, BeforeValidator(_from_unix), AfterValidator(_utc)]
 
 
 class JobSummary(BaseModel):
@@ -76,7 +85,7 @@ class CheckpointOut(BaseModel):
     step: int
     path: str
     size_bytes: int
-    created_at: float
+    created_at: UnixTimestamp
 
 
 class CheckpointList(BaseModel):

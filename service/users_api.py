@@ -33,7 +33,8 @@ router = APIRouter(
 
 
 def _store(request: Request) -> Store:
-    return request.app.state.store
+    store: Store = request.app.state.store
+    return store
 
 
 @router.post(

@@ -1,6 +1,7 @@
 """The web dashboard in a real headless Chromium (Debian's package, driven by Playwright),
 against the real service on a real multi-node Ray cluster. One browser and one server for
-the module; screenshots of every page go to test-artifacts/dashboard/ (printed at the end)."""
+the module, a fresh browser context for each test; screenshots of every page go to
+test-artifacts/dashboard/ (printed at the end)."""
 
 from __future__ import annotations
 
@@ -51,25 +52,37 @@ def api(live: LiveServer) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture(scope="module")
-def page(live: LiveServer, request: pytest.FixtureRequest) -> Iterator[Any]:
+def browser(request: pytest.FixtureRequest) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: `apt-get install chromium`"
     shutil.rmtree(ARTIFACTS, ignore_errors=True)
     ARTIFACTS.mkdir(parents=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(viewport=DESKTOP)
-        tab = context.new_page()
-        errors: list[str] = []
-        tab.on("pageerror", lambda e: errors.append(str(e)))
-        tab.goto(live.url + "/")
-        yield tab
-        browser.close()
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():
         print(f"\ndashboard screenshots: {ARTIFACTS}")
+
+
+@pytest.fixture
+def page(browser: Any, live: LiveServer) -> Iterator[Any]:
+    """A fresh browser context (no session, no cache) per test, so no test depends on what
+    an earlier one left signed in or on screen. ``page.sent`` records every request."""
+    context = browser.new_context(viewport=DESKTOP)
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.sent = []
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.on("request", lambda r: tab.sent.append((time.monotonic(), r.method, r.url)))
+    tab.goto(live.url + "/")
+    yield tab
+    context.close()
     assert errors == [], errors  # no uncaught JavaScript error on any page
+    # The token travels in a header only: never in a URL (which logs and proxies keep).
+    assert [u for _, _, u in tab.sent if TOKEN in u] == []
 
 
 @pytest.fixture
@@ -108,7 +121,9 @@ def chart_column(page: Any, chart: str, column: int) -> list[Any]:
     return list(page.evaluate(f"document.querySelector('#{chart}').chart.data[{column}]"))
 
 
-def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(page: Any, api: httpx.Client) -> None:
+def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
+    page: Any, api: httpx.Client, live: LiveServer
+) -> None:
     from playwright.sync_api import expect
 
     expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
@@ -132,9 +147,21 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(page: Any, api: ht
     expect(page.get_by_role("status").filter(has_text="Submitted “dash-demo”")).to_be_visible()
     row = page.locator("#jobs-table tbody tr", has_text="dash-demo")
     expect(row).to_have_count(1)
+    # From here on every request for the jobs list fails: the row's state can only come
+    # from the /v1/events stream (the page re-reads the list every 2 s for steps and losses).
+    jobs_list = f"{live.url}/v1/jobs"
+    page.route(lambda url: url.split("?")[0] == jobs_list, lambda route: route.abort())
+    routed_at = time.monotonic()
     expect(row).to_have_attribute("data-state", "succeeded", timeout=120_000)
+    assert page.evaluate("window.notReloaded") is True  # no page reload
+    # One stream (the jobs page's, opened when it was shown), open all along: not re-opened.
+    events = f"{live.url}/v1/events"
+    opened = [t for t, m, u in page.sent if m == "GET" and u.startswith(events)]
+    assert opened and all(t < routed_at for t in opened), (opened, routed_at)
+    page.unroute_all()
+    go(page, "#/submit")  # and back: the list is read again, with the final step
+    go(page, "#/jobs")
     expect(row.locator("td").nth(3)).to_have_text("30 / 30")  # the Step column
-    assert page.evaluate("window.notReloaded") is True  # the table followed /v1/events
     (listed,) = [j for j in api.get("/v1/jobs").json()["items"] if j["name"] == "dash-demo"]
     assert "spec" not in listed  # a page of the list carries the table's columns only
     assert (listed["min_workers"], listed["max_workers"]) == (1, 1)
@@ -166,6 +193,22 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(page: Any, api: ht
     expect(page.locator("table.checkpoints tbody tr").first.locator("td").first).to_have_text("30")
     expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
     shoot(page, "04-job")
+
+
+def test_sign_out_forgets_the_token_and_ends_the_stream(page: Any, live: LiveServer) -> None:
+    from playwright.sync_api import expect
+
+    sign_in(page)
+    assert page.evaluate("sessionStorage.getItem('etrain.token')") == TOKEN
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("heading", name="Sign in")).to_be_visible()
+    assert page.evaluate("sessionStorage.getItem('etrain.token')") is None
+    assert page.evaluate("JSON.stringify(Object.keys(localStorage))") == "[]"
+    # Nothing more goes to the API once signed out.
+    signed_out_at = time.monotonic()
+    page.wait_for_timeout(3000)
+    late = [u for t, _, u in page.sent if t > signed_out_at and "/v1/" in u]
+    assert late == [], late
 
 
 def test_an_invalid_spec_shows_its_field_errors_and_creates_nothing(

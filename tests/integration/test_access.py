@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import ray
 
+from jobs.launcher import ACTOR_PREFIX
 from tests.conftest import LiveServer, create_user_token, make_settings, small_job
 from tests.integration.test_streams import SSE, iter_sse
 
@@ -63,9 +64,12 @@ def test_users_see_stream_and_cancel_only_their_own_jobs(server: LiveServer) -> 
     me = admin.get("/v1/me").json()
     assert (me["user"], me["role"]) == ("admin", "admin")
 
-    alice_watch = Watcher(server, alice.headers["authorization"][7:], ("alices", "cancelled"))
+    # Alice's and the admin's watchers run until her last job ends, after all of Bob's
+    # activity; Bob's from before Alice's first job: each stream is open while the other
+    # user's jobs change, so each can show (wrongly) what it must not.
+    alice_watch = Watcher(server, alice.headers["authorization"][7:], ("alices-last", "cancelled"))
     bob_watch = Watcher(server, bob.headers["authorization"][7:], ("bobs", "cancelled"))
-    admin_watch = Watcher(server, admin.headers["authorization"][7:], ("bobs", "cancelled"))
+    admin_watch = Watcher(server, admin.headers["authorization"][7:], ("alices-last", "cancelled"))
 
     r = alice.post("/v1/jobs", json={**LONG, "name": "alices"})
     assert r.status_code == 201, r.text
@@ -93,14 +97,27 @@ def test_users_see_stream_and_cancel_only_their_own_jobs(server: LiveServer) -> 
 
     theirs = bob.post("/v1/jobs", json={**LONG, "name": "bobs"}).json()
     assert bob.post(f"/v1/jobs/{theirs['id']}/cancel").json()["state"] == "cancelled"
+    assert bob_watch.seen()  # Bob's stream has seen his job end (and is closed)
+    last = alice.post("/v1/jobs", json={**LONG, "name": "alices-last"}).json()
+    assert alice.post(f"/v1/jobs/{last['id']}/cancel").json()["state"] == "cancelled"
 
     listed = admin.get("/v1/jobs").json()["items"]
-    assert [(j["name"], j["owner"]) for j in listed] == [("bobs", "bob"), ("alices", "alice")]
+    assert [(j["name"], j["owner"]) for j in listed] == [
+        ("alices-last", "alice"),
+        ("bobs", "bob"),
+        ("alices", "alice"),
+    ]
     assert admin.get(f"/v1/jobs/{job['id']}").status_code == 200
 
-    assert set(alice_watch.seen()) == {("created", "alices", "alice"), ("state", "alices", "alice")}
+    assert set(alice_watch.seen()) == {
+        (kind, name, "alice") for kind in ("created", "state") for name in ("alices", "alices-last")
+    }
     assert set(bob_watch.seen()) == {("created", "bobs", "bob"), ("state", "bobs", "bob")}
-    assert {owner for _, _, owner in admin_watch.seen()} == {"alice", "bob"}
+    assert {(name, owner) for _, name, owner in admin_watch.seen()} == {
+        ("alices", "alice"),
+        ("bobs", "bob"),
+        ("alices-last", "alice"),
+    }
 
 
 def test_only_an_admin_manages_users_and_a_revoked_token_stops_working(server: LiveServer) -> None:
@@ -179,4 +196,7 @@ def test_injection_payloads_are_refused_and_nothing_runs(
         assert r.status_code == 422, r.text
         assert [e["field"] for e in r.json()["errors"]] == [field]
         assert client.get("/v1/jobs").json()["items"] == []
-    assert not Path("/tmp/etrain-pwned").exists()
+    # Nothing of it reached Ray: no supervisor was started (the autouse fixture ended the
+    # ones of earlier tests), so nothing of the workload string ever ran.
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    assert [a for a in actors if a["name"].startswith(ACTOR_PREFIX)] == []

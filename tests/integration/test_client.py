@@ -228,7 +228,7 @@ def test_a_job_is_watched_live_and_a_cut_stream_resumes_where_it_stopped(
             e for e in stored if e["seq"] > 5 and e["kind"] == "state"
         ]
         checkpoints = api_get(live, f"/v1/jobs/{job.id}/checkpoints")["items"]
-        assert [c.model_dump() for c in job.checkpoints()] == checkpoints
+        assert [c.model_dump(mode="json") for c in job.checkpoints()] == checkpoints
         assert [c.step for c in job.checkpoints()] == [30, 40, 50]
         assert job.metrics(points=5).model_dump() == api_get(
             live, f"/v1/jobs/{job.id}/metrics", points=5
@@ -342,7 +342,7 @@ def test_the_async_client_runs_the_readme_job(live: LiveServer) -> None:
                 "events": [e.model_dump() async for e in job.events()],
                 "followed": [e.model_dump() async for e in job.events(follow=True)],
                 "logs": [line.model_dump() async for line in job.logs()],
-                "checkpoints": [c.model_dump() for c in await job.checkpoints()],
+                "checkpoints": [c.model_dump(mode="json") for c in await job.checkpoints()],
                 "listed": [j.id for j in await client.jobs(state="succeeded")],
                 "again": (await client.job(job.id)).state,
             }

@@ -9,8 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -177,27 +179,51 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
             after = {row[0]: row for row in snapshot(client)}
             assert [after[j] for j in survivors] == [rows[j] for j in survivors]
 
-    # A graceful stop: a live stream is closed with a last message, the jobs train on.
+    # A graceful stop: a live stream is closed with a last message, a request in flight (its
+    # body still arriving, for 2 s) finishes, and the process is gone within the README's
+    # 5 s for in-flight requests (+1 s to exit); the jobs train on.
+    uploading = threading.Event()
+
+    def slow_body() -> Iterator[bytes]:
+        yield b'{"name": "late-user", '
+        uploading.set()
+        for _ in range(4):
+            time.sleep(0.5)
+            yield b"   "
+        yield b'"role": "user"}'
+
     with (
         api.client() as client,
+        ThreadPoolExecutor(1) as pool,
         client.stream("GET", f"/v1/jobs/{survivors[0]}/events", headers=SSE, timeout=60) as stream,
     ):
         lines = stream.iter_lines()
         first = next(iter_sse(lines))
         assert first["id"] == "1"
+        headers = {"content-type": "application/json"}
+        in_flight = pool.submit(client.post, "/v1/users", content=slow_body(), headers=headers)
+        assert uploading.wait(10)
         stopped_at = time.monotonic()
         assert api.proc is not None
         api.proc.send_signal(signal.SIGTERM)
         rest = list(iter_sse(lines))  # ends without an error: the server closed it cleanly
+        closed_after = time.monotonic() - stopped_at
         assert rest[-1]["event"] == "reconnect"
         assert rest[-1]["data"]["reason"].startswith("the service is shutting down")
+        finished = in_flight.result(timeout=30)
+        assert finished.status_code == 201, finished.text
+        assert time.monotonic() - stopped_at >= 2  # it was still arriving when the stop began
     assert api.proc.wait(30) == 0
-    assert time.monotonic() - stopped_at < 15
+    exited_after = time.monotonic() - stopped_at
+    assert closed_after < 2, closed_after  # streams are told at once, not at the deadline
+    assert exited_after < 6, exited_after
     api.proc = None
     assert "Traceback" not in api.log.read_text().split("Uvicorn running")[-1]
 
     api.start()
     with api.client() as client:
+        users = {u["name"] for u in client.get("/v1/users").json()["items"]}
+        assert "late-user" in users  # what the in-flight request did was kept
         assert client.post(f"/v1/jobs/{waiting}/cancel").json()["state"] == "cancelled"
         gate.touch()
         for job_id in survivors:

@@ -48,14 +48,23 @@ def read_stream(
     path: str,
     headers: dict[str, str] | None = None,
     stop_after: int | None = None,
+    arrivals: list[float] | None = None,
 ) -> list[dict[str, Any]]:
+    """The stream's messages; ``arrivals`` gets the wall-clock time each one arrived."""
     with (
         server.client() as client,
         client.stream("GET", path, headers={**SSE, **(headers or {})}, timeout=300) as r,
     ):
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        return parse_sse(r.iter_lines(), stop_after)
+        messages: list[dict[str, Any]] = []
+        for message in iter_sse(r.iter_lines()):
+            if arrivals is not None:
+                arrivals.append(time.time())
+            messages.append(message)
+            if stop_after is not None and len(messages) >= stop_after:
+                break
+        return messages
 
 
 def full_log(server: LiveServer, job_id: str) -> list[dict[str, Any]]:
@@ -83,7 +92,13 @@ def test_a_client_sees_the_job_live_in_order(server: LiveServer) -> None:
     listening.wait(10)
     with server.client() as client:
         job = client.post("/v1/jobs", json=small_job(report_every_steps=5)).json()
-    messages = read_stream(server, f"/v1/jobs/{job['id']}/events")
+    arrivals: list[float] = []
+    messages = read_stream(server, f"/v1/jobs/{job['id']}/events", arrivals=arrivals)
+    # Live, not replayed at the end: the first metrics reached this client before the job's
+    # terminal event was even recorded (a server that held the stream back would fail this).
+    timed = zip(arrivals, messages, strict=True)
+    first_metrics_at = next(t for t, m in timed if m["event"] == "metrics")
+    assert first_metrics_at < messages[-1]["data"]["time"], (first_metrics_at, messages[-1])
 
     assert [int(m["id"]) for m in messages] == list(range(1, len(messages) + 1))
     assert [m["data"] for m in messages] == full_log(server, job["id"])
@@ -194,25 +209,33 @@ def test_keepalives_and_a_client_behind_told_to_reconnect(ray_cluster: Any, tmp_
         received: list[dict[str, Any]] = []
         reconnects, keepalives, last = 0, 0, "0"
         while True:
+            # Resume both ways the README offers, in turn: Last-Event-ID, then ?after=N.
+            by_header = reconnects % 2 == 0
             with client.stream(
                 "GET",
                 f"/v1/jobs/{job['id']}/events",
                 timeout=300,
-                headers={**SSE, "Last-Event-ID": last},
+                headers={**SSE, "Last-Event-ID": last} if by_header else SSE,
+                params={} if by_header else {"after": last},
             ) as r:
                 lines = list(r.iter_lines())
             keepalives += lines.count(": keep-alive")
             messages = parse_sse(iter(lines))
+            if messages:
+                # Each connection starts right after where the last one stopped.
+                assert int(messages[0]["id"]) == int(last) + 1, (by_header, last, messages[0])
             if messages and messages[-1]["event"] == "reconnect":
                 reconnects += 1
-                last = str(messages[-1]["data"]["last_event_id"])
-                assert last == (messages[-2]["id"] if len(messages) > 1 else last)
+                told = str(messages[-1]["data"]["last_event_id"])
+                # The last event delivered, or (none delivered) the one the client gave.
+                assert told == (messages[-2]["id"] if len(messages) > 1 else last)
+                last = told
                 received += [m["data"] for m in messages[:-1]]
                 continue
             received += [m["data"] for m in messages]
             break
         assert keepalives > 0  # the workers took seconds to start: the stream said so
-        assert reconnects > 0
+        assert reconnects > 1  # both ways of resuming were used
         assert received == full_log(live, job["id"])
         assert received[-1]["data"]["state"] == "succeeded"
 

@@ -118,3 +118,16 @@ def test_list_is_newest_first_with_cursor_and_filter(store: Store) -> None:
     assert {j.id for j in store.active_jobs()} == {ids[0], ids[2], ids[4]}
     with pytest.raises(ValueError, match="cursor"):
         store.list_jobs(None, 2, "bm90LWEtam9i")
+
+
+def test_a_page_of_the_list_is_summaries_with_the_worker_bounds_not_specs(store: Store) -> None:
+    from service.schemas import JobOut, JobSummary
+
+    spec = {**small_job(), "scaling": {"min_workers": 2, "max_workers": 3, "cpus_per_worker": 1}}
+    job = store.create_job("bounds", "admin", "image-classification", spec)
+    (row,) = store.list_jobs(None, 10, None).items
+    summary = JobSummary.model_validate(row).model_dump(mode="json")
+    assert "spec" not in summary and (summary["min_workers"], summary["max_workers"]) == (2, 3)
+    full = JobOut.model_validate(store.get_job(job.id)).model_dump(mode="json")
+    assert summary == {k: v for k, v in full.items() if k != "spec"}
+    assert full["spec"] == spec
