@@ -460,7 +460,8 @@ class JobLoop:
         nodes = set(attempt.worker_nodes.values())
         gone = {n for n in nodes if n not in snap.alive}
         gone |= {attempt.worker_nodes[r] for r in dead_ranks if r in attempt.worker_nodes}
-        gone |= await self.capacity.unreachable(nodes - gone, self.timing.probe_s)
+        if not gone:  # an error with no loss in sight: is a node silently gone?
+            gone = await self.capacity.unreachable(nodes, self.timing.probe_s)
         return gone
 
     async def _drop_reservation(self) -> None:
