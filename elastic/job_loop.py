@@ -160,6 +160,8 @@ class JobLoop:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        if not self._claim_settled:  # never placed: what was handed over is free for all
+            await self.capacity.settle()
         if running.done() and not running.cancelled():
             outcome = running.result()
         else:
