@@ -69,7 +69,7 @@ def stock_train_loop(config: dict[str, Any]) -> None:
 
     from jobs.workloads.image_classification import SmallCNN, SyntheticImages
 
-    probe = ray.get_actor("probe", namespace=NAMESPACE)
+    probe = ray.get_actor(config["probe"], namespace=NAMESPACE)
     session = uuid.uuid4().hex
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -120,13 +120,15 @@ def run_stock(cluster: Cluster, nodes: list[Any], storage: str) -> dict[str, flo
     from ray.train.torch import TorchTrainer
 
     head = cluster.head_node.node_id
+    name = f"probe-{time.time_ns()}"  # a fresh name: the last run's probe may still be dying
     probe = Probe.options(
-        name="probe",
+        name=name,
         namespace=NAMESPACE,  # type: ignore[attr-defined]
         scheduling_strategy=NodeAffinitySchedulingStrategy(head, False),
     ).remote()
     trainer = TorchTrainer(
         stock_train_loop,
+        train_loop_config={"probe": name},
         scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={"CPU": 1}),
         run_config=RunConfig(
             name="stock", storage_path=storage, failure_config=FailureConfig(max_failures=3)

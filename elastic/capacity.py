@@ -210,13 +210,20 @@ class RayCapacity:
             self._watcher = MembershipWatcher.options(**options).remote()  # type: ignore[attr-defined]
         return self._watcher
 
+    async def _call(self, method: str, *args: Any) -> Any:
+        """Call the shared watcher; if it died (killed by hand, its node lost), start a new
+        one and call that: a job must not fail because the watcher went."""
+        for tries_left in (1, 0):
+            try:
+                return await getattr(self._get_watcher(), method).remote(*args)
+            except ray.exceptions.RayActorError:
+                self._watcher = None
+                if not tries_left:
+                    raise
+        raise AssertionError("unreachable")
+
     async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
-        try:
-            watcher = self._get_watcher()
-            snap: Snapshot = await watcher.snapshot.remote(self.job_id, after_version, timeout_s)
-        except ray.exceptions.RayActorError:
-            self._watcher = None  # it died (killed by hand, or a test): the next call starts one
-            raise
+        snap: Snapshot = await self._call("snapshot", self.job_id, after_version, timeout_s)
         return snap
 
     async def reserve(
@@ -242,11 +249,11 @@ class RayCapacity:
                 held = per_node.setdefault(str(node), {})
                 for name, amount in table["bundles"][index].items():
                     held[name] = held.get(name, 0.0) + float(amount)
-            await self._get_watcher().claim.remote(self.job_id, per_node)
+            await self._call("claim", self.job_id, per_node)
         await asyncio.to_thread(remove_placement_group, group)
 
     async def settle(self) -> None:
-        await self._get_watcher().unclaim.remote(self.job_id)
+        await self._call("unclaim", self.job_id)
 
     async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
         probes = {

@@ -160,6 +160,8 @@ class JobLoop:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        if not self._claim_settled:  # never placed: what was handed over is free for all
+            await self.capacity.settle()
         if running.done() and not running.cancelled():
             outcome = running.result()
         else:
@@ -460,7 +462,8 @@ class JobLoop:
         nodes = set(attempt.worker_nodes.values())
         gone = {n for n in nodes if n not in snap.alive}
         gone |= {attempt.worker_nodes[r] for r in dead_ranks if r in attempt.worker_nodes}
-        gone |= await self.capacity.unreachable(nodes - gone, self.timing.probe_s)
+        if not gone:  # an error with no loss in sight: is a node silently gone?
+            gone = await self.capacity.unreachable(nodes, self.timing.probe_s)
         return gone
 
     async def _drop_reservation(self) -> None:

@@ -74,3 +74,26 @@ def test_choose_the_largest_size_that_fits() -> None:
     assert choose_world_size(1, 3, 5) == 3
     assert choose_world_size(1, 3, 2) == 2
     assert choose_world_size(2, 3, 1) is None
+
+
+def test_restarts_are_counted_per_cause_and_forgiven_by_progress() -> None:
+    from elastic.attempt import EndCause
+    from elastic.policy import RestartPolicy
+
+    policy = RestartPolicy(max_restarts=1, node_loss_limit=2, start_failure_limit=1)
+    assert policy.decide(EndCause.ERROR, progressed=False).retry
+    # Node losses have their own budget: they do not use up max_restarts.
+    assert policy.decide(EndCause.NODE_LOST, progressed=False).retry
+    assert policy.decide(EndCause.NODE_LOST, progressed=False).retry
+    third = policy.decide(EndCause.NODE_LOST, progressed=False)
+    assert not third.retry and third.reason == (
+        "gave up after 2 node losses in a row without a checkpoint; the limit is 2"
+    )
+    # An attempt that saved a checkpoint forgives everything before it.
+    assert policy.decide(EndCause.ERROR, progressed=True).retry
+    assert policy.restarts == 0
+    assert policy.decide(EndCause.ERROR, progressed=False).retry
+    second = policy.decide(EndCause.ERROR, progressed=False)
+    assert not second.retry and second.reason == "gave up after 1 restart; max_restarts is 1"
+    assert policy.decide(EndCause.START_TIMEOUT, progressed=False).retry
+    assert not policy.decide(EndCause.START_TIMEOUT, progressed=False).retry
