@@ -567,3 +567,27 @@ def test_a_failure_from_a_node_the_membership_still_shows_alive_is_a_node_loss()
         await h.finish()
 
     run(body)
+
+
+def test_attempts_that_fail_while_recovering_are_restarts_within_the_limit() -> None:
+    """Issue 13 #10: a second failure while the job is already recovering is one more
+    restart (no illegal recovering -> recovering), and the last one gives the real reason."""
+
+    async def body() -> None:
+        h = Harness(FakeCluster(1), max_restarts=2)
+        h.start()
+        await h.workers_start(1, step=1)
+        h.runner.end(AttemptOutcome("rank 0: OSError: disk gone"))
+        for number in (2, 3):  # never reaches a step: the job stays recovering
+            await h.attempt(number)
+            assert h.loop.state == "recovering"
+            h.runner.end(AttemptOutcome("rank 0: OSError: disk gone"))
+        await h.finish()
+        states = [e["state"] for e in h.of("state")]
+        assert states == ["starting", "running", "recovering", "failed"]
+        assert h.of("state")[-1]["reason"] == (
+            "rank 0: OSError: disk gone (gave up after 2 restarts; max_restarts is 2)"
+        )
+        assert len(h.runner.specs) == 3
+
+    run(body)
