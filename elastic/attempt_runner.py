@@ -19,8 +19,10 @@ from elastic.attempt import AttemptOutcome
 from elastic.worker_logs import forward_output
 
 # How long Ray Train may take to place and start a worker group before its attempt fails
-# (Ray's default is 60 s; the supervisor's own start-up bound sits above this one).
-WORKER_GROUP_START_TIMEOUT_S = 45.0
+# (Ray's default is 60 s). It sits above the supervisor's own start-up bound
+# (``job_loop.Timing.start_s``), which fires first and tells a job that never started (it
+# lost a race for capacity) to wait queued, instead of counting a failed attempt.
+WORKER_GROUP_START_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)

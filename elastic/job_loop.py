@@ -46,7 +46,9 @@ class Timing:
     suspect_ttl_s: float = 60.0
     release_wait_s: float = 3.0  # for an ended attempt's survivors to free their resources
     reserve_s: float = 5.0  # to reserve capacity before starting or growing
-    start_s: float = 90.0  # from an attempt's start until all its workers have registered
+    # From an attempt's start until all its workers have registered; below Ray Train's own
+    # worker-group start timeout (attempt_runner.WORKER_GROUP_START_TIMEOUT_S).
+    start_s: float = 60.0
     stop_grace_s: float = 15.0  # for a stopped attempt's fit() to come back
     # For a node to answer after an attempt failed; a dead one is also declared dead by Ray
     # within this (3 s with the service's fast failure detection).
