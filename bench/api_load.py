@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import os
 import random
-import secrets
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.pg_schema import scratch_schema
 
 TOKEN = "bench-token"
 MIN_SAMPLES_FOR_P99 = 100
@@ -113,18 +114,8 @@ def database(url: str | None, data_dir: Path) -> Iterator[str]:
     if url is None:
         yield f"sqlite:///{(data_dir / 'etrain.db').resolve()}"
         return
-    from sqlalchemy import create_engine, text
-
-    schema = f"etrain_bench_{secrets.token_hex(4)}"
-    admin = create_engine(url)
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{url}{'&' if '?' in url else '?'}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    with scratch_schema(url, "etrain_bench") as scoped:
+        yield scoped
 
 
 def percentile(values: list[float], q: float) -> float:

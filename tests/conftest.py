@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import threading
 import time
@@ -14,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.pg_schema import scratch_schema
 
 NAMESPACE = "elastic-train-tests"
 TOKEN = "test-token-0123456789"
@@ -225,19 +226,8 @@ def database_url(backend: str, tmp_path: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'etrain.db'}"
         return
-    from sqlalchemy import create_engine, text
-
-    base = os.environ[PG_URL_ENV]
-    schema = f"etrain_test_{secrets.token_hex(6)}"
-    admin = create_engine(base)
-    with admin.begin() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{base}{'&' if '?' in base else '?'}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    with scratch_schema(os.environ[PG_URL_ENV], "etrain_test") as scoped:
+        yield scoped
 
 
 @pytest.fixture(params=STORE_BACKENDS)
