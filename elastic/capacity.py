@@ -99,6 +99,12 @@ def workers_ever(per_worker: Mapping[str, float]) -> int:
     return workers_that_fit(total_per_node().values(), per_worker)
 
 
+def actor_alive(actor_id: str) -> bool:
+    """Whether the actor lives or will again (restarting); an unknown actor is not alive."""
+    info = ray_state.actors(actor_id=actor_id)
+    return bool(info) and info.get("State") not in ("DEAD", None)
+
+
 def alive_nodes() -> set[str]:
     return {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
 
@@ -129,10 +135,11 @@ class MembershipWatcher:
         self.current = Snapshot(0, frozenset(), {})
         self.changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
-        self.claims: dict[str, tuple[Resources, float]] = {}  # job -> (per node, until)
+        # job -> (per node, until, the claiming supervisor's actor id)
+        self.claims: dict[str, tuple[Resources, float, str | None]] = {}
 
-    async def claim(self, job_id: str, per_node: Resources) -> None:
-        self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S)
+    async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:
+        self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S, owner)
         self._bump()
 
     async def unclaim(self, job_id: str) -> None:
@@ -145,7 +152,7 @@ class MembershipWatcher:
         now = time.monotonic()
         self.claims = {j: c for j, c in self.claims.items() if c[1] > now}
         free = {node: dict(r) for node, r in current.free.items()}
-        for other, (per_node, _) in self.claims.items():
+        for other, (per_node, _, _) in self.claims.items():
             if other == job_id:
                 continue
             for node, held in per_node.items():
@@ -177,10 +184,26 @@ class MembershipWatcher:
 
     async def _poll(self) -> None:
         alive, free = await asyncio.to_thread(lambda: (alive_nodes(), free_per_node()))
+        await self._drop_orphan_claims()
         if alive == self.current.alive and free == self.current.free:
             return
         self.current = Snapshot(self.current.version + 1, frozenset(alive), free)
         self._bump(new=False)
+
+    async def _drop_orphan_claims(self) -> None:
+        """A supervisor killed (a cancel, a lost node) between handing capacity over and
+        settling it leaves its claim behind: without this, other jobs would not see that
+        capacity as free until the claim's TTL ran out."""
+        owners = {job: c[2] for job, c in self.claims.items() if c[2] is not None}
+        if not owners:
+            return
+        dead = await asyncio.to_thread(
+            lambda: {job for job, owner in owners.items() if not actor_alive(owner)}
+        )
+        for job in dead:
+            self.claims.pop(job, None)
+        if dead:
+            self._bump()
 
     def _bump(self, new: bool = True) -> None:
         if new:
@@ -249,7 +272,8 @@ class RayCapacity:
                 held = per_node.setdefault(str(node), {})
                 for name, amount in table["bundles"][index].items():
                     held[name] = held.get(name, 0.0) + float(amount)
-            await self._call("claim", self.job_id, per_node)
+            owner = ray.get_runtime_context().get_actor_id()
+            await self._call("claim", self.job_id, per_node, owner)
         await asyncio.to_thread(remove_placement_group, group)
 
     async def settle(self) -> None:
