@@ -94,7 +94,7 @@ def test_a_corrupt_checkpoint_is_skipped_and_moved_aside(s3: S3Server, bucket: s
     assert [(c.step, why) for c, why in skipped] == [
         (20, "step_0000000020: state.pt fails its checksum")
     ]
-    with pytest.raises(CorruptCheckpoint, match="state.pt fails its checksum"):
+    with pytest.raises(CorruptCheckpoint, match=r"state\.pt fails its checksum"):
         CheckpointDir(f"s3://{bucket}/job").local_copy(f"s3://{bucket}/job/step_0000000020")
     pruned = CheckpointDir(f"s3://{bucket}/job").prune(keep=2)
     ((bad, why, where),) = pruned.set_aside
