@@ -124,3 +124,30 @@ def test_saving_a_step_again_replaces_it_whole(s3: S3Server, bucket: str) -> Non
     assert set(manifest["files"]) == {"state.pt"}
     local = ckpts.local_copy(ckpts.path_for(10))
     assert (local / "state.pt").read_bytes() == b"second"
+
+
+def test_tensorboard_files_go_to_the_bucket(s3: S3Server, bucket: str, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from elastic.tensorboard import TensorBoardLog
+
+    board = TensorBoardLog(f"s3://{bucket}/job", attempt=1, world_size=2, step=0)
+    for step in (1, 2, 3):
+        board.record("metrics", {"step": step, "loss": 1.0 / step})
+    board.record("checkpoint_saved", {"step": 3})
+    (key,) = s3.keys(bucket, "job/tensorboard/")
+    assert key.endswith(".attempt1")
+    board.record("metrics", {"step": 4, "loss": 0.2})
+    board.close()
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / key.rsplit("/", 1)[1]).write_bytes(
+        s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    )
+    curves = EventAccumulator(str(tmp_path / "tb"))
+    curves.Reload()
+    assert [(e.step, round(e.value, 3)) for e in curves.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, 0.333),
+        (4, 0.2),
+    ]
