@@ -151,3 +151,25 @@ def test_tensorboard_files_go_to_the_bucket(s3: S3Server, bucket: str, tmp_path:
         (3, 0.333),
         (4, 0.2),
     ]
+
+
+def test_only_the_stores_own_variables_go_to_the_jobs() -> None:
+    from jobs.isolation import storage_environment
+
+    environ = {
+        "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/var/run/gcp.json",
+        "ETRAIN_API_TOKEN": "never",
+        "AWS_SHARED_CREDENTIALS_FILE": "/home/etrain/.aws/credentials",
+    }
+    assert storage_environment(environ, "s3://bucket/prefix") == {
+        "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+    }
+    assert storage_environment(environ, "gs://bucket/p") == {
+        "GOOGLE_APPLICATION_CREDENTIALS": "/var/run/gcp.json"
+    }
+    assert storage_environment(environ, "/mnt/checkpoints") == {}
