@@ -66,5 +66,8 @@ def test_a_job_checkpoints_to_the_bucket_loses_a_node_and_restores_from_it(
     for step in steps:
         assert f"etrain/{job['id']}/step_{step:010d}/manifest.json" in keys
         assert f"etrain/{job['id']}/step_{step:010d}/state.pt" in keys
+    # TensorBoard's files are copied there too: one per attempt (the first, the restart).
+    boards = s3.keys(bucket, f"etrain/{job['id']}/tensorboard/")
+    assert sorted(k.rsplit(".", 1)[1] for k in boards) == ["attempt1", "attempt2"]
     assert not (tmp_path / "checkpoints").exists()
     assert not list(tmp_path.rglob("step_*"))
