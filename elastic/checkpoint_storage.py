@@ -231,6 +231,12 @@ def storage_for(root: str | os.PathLike[str]) -> CheckpointStorage:
     return LocalCheckpointStorage(text)
 
 
+def local_side_dir(uri: str) -> Path:
+    """This node's directory for one store location's local files (staging, side files)."""
+    key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "etrain-staging" / key
+
+
 def join_location(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
@@ -259,8 +265,7 @@ class ObjectCheckpointStorage:
         self.fs, path = pafs.FileSystem.from_uri(self.uri)
         self.base = path.rstrip("/")
         # Local staging shared by the ranks of one node that pass the same tag.
-        key = hashlib.sha256(self.uri.encode()).hexdigest()[:16]
-        self.staging_root = Path(tempfile.gettempdir()) / "etrain-staging" / key
+        self.staging_root = local_side_dir(self.uri) / "staging"
 
     def _key(self, *parts: str) -> str:
         return "/".join((self.base, *parts))

@@ -23,6 +23,7 @@ from elastic.checkpoint_storage import (
     MANIFEST,
     CheckpointStorage,
     is_object_uri,
+    local_side_dir,
     sha256_of,
     split_location,
     storage_for,
@@ -72,7 +73,9 @@ class CheckpointDir:
     ) -> None:
         self.location = os.fspath(root).rstrip("/") or "/"
         self.remote = is_object_uri(self.location)
-        self.root = Path(root)
+        # A local directory for what is kept beside checkpoints (the loop's sample log):
+        # the directory itself, or one on this node's disk when checkpoints are in a store.
+        self.root = local_side_dir(self.location) if self.remote else Path(root)
         self.storage: CheckpointStorage = storage or storage_for(self.location)
         # name -> the stamps of parts hashed and found matching their manifest: retention
         # does not re-hash gigabytes at every save, yet notices a part changed since.

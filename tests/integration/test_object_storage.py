@@ -59,7 +59,9 @@ def test_a_job_checkpoints_to_the_bucket_loses_a_node_and_restores_from_it(
         assert restored["checkpoint_step"] >= 20 and restored["checkpoint_step"] % 10 == 0
         listed = api.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
     # The service lists the bucket's checkpoints; the bucket holds them, the disk none.
-    assert [c["step"] for c in listed] == [100, 110, 120]
+    assert [(c["step"], c["path"]) for c in listed] == [
+        (step, f"step_{step:010d}") for step in (100, 110, 120)
+    ]
     keys = s3.keys(bucket, f"etrain/{job['id']}/step_")
     steps = sorted({int(k.split("/")[2].removeprefix("step_")) for k in keys})
     assert steps == [100, 110, 120]
