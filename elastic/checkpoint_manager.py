@@ -18,8 +18,10 @@ from __future__ import annotations
 import datetime
 import io
 import pickle
+import shutil
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -219,8 +221,9 @@ class CheckpointManager:
             # Its collectives wait for the slowest rank's previous write (rank 0 also
             # hashes and prunes), so its timeout is storage's, not the training's.
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
-        self.resume_path = Path(worker.resume_path) if worker.resume_path else None
-        restored = self._load() if self.resume_path else None
+        # A local directory with the parts (downloaded when checkpoints are in a bucket).
+        self.resume_path: Path | None = None
+        restored = self._load(worker.resume_path) if worker.resume_path else None
         self.state = CheckpointState(restored, self._load_sharded if restored is not None else None)
 
     @property
@@ -229,10 +232,12 @@ class CheckpointManager:
 
     # -- restore -------------------------------------------------------------------------
 
-    def _load(self) -> dict[str, Any]:
-        assert self.resume_path is not None
+    def _load(self, location: str) -> dict[str, Any]:
         # The supervisor verified it when it chose it; storage may have changed since.
-        self.dir.verify(self.resume_path)
+        self.resume_path = self.dir.local_copy(location)
+        if self.dir.remote:
+            # The download is this process's alone; it goes when the process does.
+            weakref.finalize(self, shutil.rmtree, str(self.resume_path), True)
         state = torch.load(self.resume_path / STATE_FILE, map_location="cpu", weights_only=True)
         if not isinstance(state, dict):
             raise ValueError(f"{self.resume_path}: {STATE_FILE} holds no state dict")
@@ -265,6 +270,13 @@ class CheckpointManager:
         CheckFreq does; everything else (buffers, counters, generators) is copied now."""
         self.writer.wait()  # one write at a time (and the copy buffers it holds)
         replicated: dict[str, Any] | None = self.state.replicated_state()  # RNG: gathers
+        if self.state.sharded and self.dir.remote and self.worker.world_size > 1:
+            # Each rank's pieces are staged on its own node's disk and rank 0 uploads
+            # only what it sees: refuse rather than publish a checkpoint missing pieces.
+            raise NotImplementedError(
+                "sharded (FSDP) checkpoints of several workers cannot go to an object "
+                "store yet; use a shared filesystem for ETRAIN_CHECKPOINT_DIR"
+            )
         sharded = self.state.sharded_state() if self.state.sharded else {}
         if self.worker.rank != 0:
             replicated = None

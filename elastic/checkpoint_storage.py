@@ -3,7 +3,8 @@
 A checkpoint is a named set of parts (files) plus a manifest. The manifest is written
 last and is the commit marker: a checkpoint without one does not exist. The local
 filesystem stages the parts in a temporary directory and renames it into place; an object
-store would upload the parts under the name and put the manifest last, so the same
+store (``s3://``, ``gs://``, ``abfs://`` through ``pyarrow.fs``, which has no rename) stages
+them on local disk, uploads them under the name and puts the manifest last, so the same
 retention and verification code runs over both.
 """
 
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,8 +48,13 @@ class CheckpointStorage(Protocol):
         a part whose stamp is unchanged since it was hashed need not be hashed again."""
         ...
 
-    def local_path(self, name: str) -> Path:
-        """A local directory holding the checkpoint's parts (for readers that need files)."""
+    def location(self, name: str) -> str:
+        """Where the checkpoint is, as events and the API show it (a path or a URI)."""
+        ...
+
+    def local_copy(self, name: str) -> Path:
+        """A local directory holding the checkpoint's parts (for readers that need files):
+        the checkpoint itself on a filesystem, a fresh download from an object store."""
         ...
 
     @contextmanager
@@ -141,7 +148,10 @@ class LocalCheckpointStorage:
             return None
         return st.st_size, st.st_mtime_ns
 
-    def local_path(self, name: str) -> Path:
+    def location(self, name: str) -> str:
+        return str(self.root / name)
+
+    def local_copy(self, name: str) -> Path:
         return self.root / name
 
     @contextmanager
@@ -200,4 +210,186 @@ class LocalCheckpointStorage:
             if e.name.startswith(STAGING_PREFIX) and e.is_dir():
                 shutil.rmtree(e, ignore_errors=True)
                 removed.append(e.name)
+        return sorted(removed)
+
+
+OBJECT_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
+ORPHAN_PREFIX = "step_"
+
+
+def is_object_uri(root: str) -> bool:
+    """Whether ``root`` names an object store (``s3://bucket/prefix``) rather than a path."""
+    scheme, sep, _ = root.partition("://")
+    return bool(sep) and scheme.lower() in OBJECT_SCHEMES
+
+
+def storage_for(root: str | os.PathLike[str]) -> CheckpointStorage:
+    """The storage a checkpoint root names: an object store for a URI, else a directory."""
+    text = os.fspath(root)
+    if is_object_uri(text):
+        return ObjectCheckpointStorage(text)
+    return LocalCheckpointStorage(text)
+
+
+def local_side_dir(uri: str) -> Path:
+    """This node's directory for one store location's local files (staging, side files)."""
+    key = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "etrain-staging" / key
+
+
+def join_location(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}"
+
+
+def split_location(location: str) -> tuple[str, str]:
+    """(the checkpoints' root, the checkpoint's name) of a path or URI."""
+    parent, _, name = location.rstrip("/").rpartition("/")
+    return parent, name
+
+
+class ObjectCheckpointStorage:
+    """Checkpoints as prefixes of an object store, through ``pyarrow.fs`` (what Ray Train
+    uses). Credentials and endpoint come from the store's standard variables
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...).
+
+    There is no rename: the parts are uploaded first and the manifest last, and the manifest
+    is the only thing that makes a checkpoint exist. A prefix ``step_*`` without one is what
+    a writer that died mid-upload left, removed by :meth:`clean_staging`. Saving a step that
+    exists deletes its manifest first, so a reader in between sees the previous checkpoint,
+    never old sums over new parts."""
+
+    def __init__(self, uri: str) -> None:
+        from pyarrow import fs as pafs
+
+        self.uri = uri.rstrip("/")
+        self.fs, path = pafs.FileSystem.from_uri(self.uri)
+        self.base = path.rstrip("/")
+        # Local staging shared by the ranks of one node that pass the same tag.
+        self.staging_root = local_side_dir(self.uri) / "staging"
+
+    def _key(self, *parts: str) -> str:
+        return "/".join((self.base, *parts))
+
+    def _list(self, prefix: str, recursive: bool = False) -> list[Any]:
+        from pyarrow import fs as pafs
+
+        selector = pafs.FileSelector(prefix, recursive=recursive, allow_not_found=True)
+        return list(self.fs.get_file_info(selector))
+
+    def _top_level(self) -> list[str]:
+        from pyarrow import fs as pafs
+
+        return [
+            info.base_name
+            for info in self._list(self.base)
+            if info.type == pafs.FileType.Directory and not info.base_name.startswith(".")
+        ]
+
+    def _exists(self, key: str) -> bool:
+        from pyarrow import fs as pafs
+
+        return bool(self.fs.get_file_info(key).type == pafs.FileType.File)
+
+    def names(self) -> list[str]:
+        return [n for n in self._top_level() if self._exists(self._key(n, MANIFEST))]
+
+    def read_manifest(self, name: str) -> dict[str, Any] | None:
+        try:
+            with self.fs.open_input_stream(self._key(name, MANIFEST)) as fh:
+                data = json.loads(fh.read())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def part_digest(self, name: str, part: str) -> tuple[int, str] | None:
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with self.fs.open_input_stream(self._key(name, part)) as fh:
+                while block := fh.read(1 << 20):
+                    digest.update(block)
+                    size += len(block)
+        except (FileNotFoundError, OSError):
+            return None
+        return size, digest.hexdigest()
+
+    def part_stamp(self, name: str, part: str) -> tuple[int, int] | None:
+        from pyarrow import fs as pafs
+
+        info = self.fs.get_file_info(self._key(name, part))
+        if info.type != pafs.FileType.File:
+            return None
+        return int(info.size or 0), int(info.mtime_ns or 0)
+
+    def location(self, name: str) -> str:
+        return join_location(self.uri, name)
+
+    def local_copy(self, name: str) -> Path:
+        from pyarrow import fs as pafs
+
+        target = Path(tempfile.mkdtemp(prefix=f"etrain-restore-{name}-"))
+        prefix = self._key(name)
+        for info in self._list(prefix, recursive=True):
+            if info.type != pafs.FileType.File:
+                continue
+            local = target / info.path[len(prefix) + 1 :]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            pafs.copy_files(info.path, str(local), source_filesystem=self.fs)
+        return target
+
+    @contextmanager
+    def staging(self, name: str, tag: str) -> Iterator[Path]:
+        path = self.staging_root / f"{name}-{tag}"
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            yield path
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    def commit(self, staged: Path, name: str, manifest: dict[str, Any]) -> None:
+        from pyarrow import fs as pafs
+
+        manifest_key = self._key(name, MANIFEST)
+        if self._exists(manifest_key):
+            # The same step saved again: it stops existing before its parts change.
+            self.fs.delete_file(manifest_key)
+        self.remove(name)
+        self.fs.create_dir(self._key(name))
+        for f in sorted(p for p in staged.rglob("*") if p.is_file() and p.name != MANIFEST):
+            key = self._key(name, str(f.relative_to(staged)))
+            pafs.copy_files(str(f), key, destination_filesystem=self.fs)
+        with self.fs.open_output_stream(manifest_key) as fh:
+            fh.write(json.dumps(manifest, indent=1).encode())
+        shutil.rmtree(staged, ignore_errors=True)  # uploaded: the local copy is no checkpoint
+
+    def remove(self, name: str) -> None:
+        from pyarrow import fs as pafs
+
+        if self.fs.get_file_info(self._key(name)).type != pafs.FileType.NotFound:
+            self.fs.delete_dir(self._key(name))
+
+    def move_aside(self, name: str) -> str:
+        from pyarrow import fs as pafs
+
+        aside = f"{CORRUPT_DIR}/{name}-{uuid.uuid4().hex[:8]}"
+        prefix = self._key(name)
+        if not self._exists(self._key(name, MANIFEST)):
+            raise FileNotFoundError(self.location(name))
+        self.fs.create_dir(self._key(aside))
+        for info in self._list(prefix, recursive=True):
+            if info.type == pafs.FileType.File:
+                self.fs.copy_file(info.path, self._key(aside, info.path[len(prefix) + 1 :]))
+        # The manifest goes first: from then on the checkpoint does not exist.
+        self.fs.delete_file(self._key(name, MANIFEST))
+        self.remove(name)
+        return self.location(aside)
+
+    def clean_staging(self) -> list[str]:
+        shutil.rmtree(self.staging_root, ignore_errors=True)
+        removed = []
+        for name in self._top_level():
+            if name.startswith(ORPHAN_PREFIX) and not self._exists(self._key(name, MANIFEST)):
+                self.remove(name)
+                removed.append(name)
         return sorted(removed)

@@ -22,8 +22,11 @@ from typing import Any
 from elastic.checkpoint_storage import (
     MANIFEST,
     CheckpointStorage,
-    LocalCheckpointStorage,
+    is_object_uri,
+    local_side_dir,
     sha256_of,
+    split_location,
+    storage_for,
 )
 
 FORMAT_VERSION = 1
@@ -62,19 +65,46 @@ def name_for(step: int) -> str:
 
 
 class CheckpointDir:
-    """The checkpoints of one job, under ``root``."""
+    """The checkpoints of one job, under ``root`` (a directory, or an object store's URI
+    such as ``s3://bucket/prefix/<job>``)."""
 
     def __init__(
         self, root: str | os.PathLike[str], storage: CheckpointStorage | None = None
     ) -> None:
-        self.root = Path(root)
-        self.storage: CheckpointStorage = storage or LocalCheckpointStorage(self.root)
+        self.location = os.fspath(root).rstrip("/") or "/"
+        self.remote = is_object_uri(self.location)
+        # A local directory for what is kept beside checkpoints (the loop's sample log):
+        # the directory itself, or one on this node's disk when checkpoints are in a store.
+        self.root = local_side_dir(self.location) if self.remote else Path(root)
+        self.storage: CheckpointStorage = storage or storage_for(self.location)
         # name -> the stamps of parts hashed and found matching their manifest: retention
         # does not re-hash gigabytes at every save, yet notices a part changed since.
         self._verified: dict[str, tuple[Any, ...]] = {}
 
-    def path_for(self, step: int) -> Path:
-        return self.storage.local_path(name_for(step))
+    def path_for(self, step: int) -> str:
+        """Where step ``step``'s checkpoint is (a path, or a URI on an object store)."""
+        return self.storage.location(name_for(step))
+
+    def _owns(self, location: str) -> bool:
+        parent, _ = split_location(location)
+        if self.remote or is_object_uri(location):
+            return parent.rstrip("/") == self.location
+        return Path(parent).resolve() == Path(self.location).resolve()
+
+    def local_copy(self, location: str | os.PathLike[str]) -> Path:
+        """Verify the checkpoint at ``location`` and give a local directory with its
+        parts: the checkpoint itself on a filesystem, a verified download from a store."""
+        text = os.fspath(location)
+        if not self._owns(text):
+            return CheckpointDir(split_location(text)[0]).local_copy(text)
+        if not self.remote:
+            self.verify(text)
+            return Path(text)
+        name = split_location(text)[1]
+        local = self.storage.local_copy(name)
+        # Hash what was downloaded (once) rather than reading the store twice.
+        verify_files(local, self.storage.read_manifest(name))
+        return local
 
     # -- writing -------------------------------------------------------------------------
 
@@ -101,7 +131,7 @@ class CheckpointDir:
         self.storage.commit(staged, name, manifest)
         self._verified[name] = self._stamps(name, manifest)
         size = sum(int(v["size"]) for v in files.values())
-        return CheckpointInfo(step, str(self.path_for(step)), size, created_at)
+        return CheckpointInfo(step, self.path_for(step), size, created_at)
 
     def save(self, step: int, write: Callable[[Path], None]) -> CheckpointInfo:
         """Write a checkpoint: ``write(dir)`` puts the state files in ``dir``."""
@@ -129,7 +159,7 @@ class CheckpointDir:
             found.append(
                 CheckpointInfo(
                     int(manifest["step"]),
-                    str(self.storage.local_path(name)),
+                    self.storage.location(name),
                     size,
                     float(manifest["created_at"]),
                 )
@@ -138,10 +168,11 @@ class CheckpointDir:
 
     def verify(self, path: str | os.PathLike[str]) -> None:
         """Raise :class:`CorruptCheckpoint` unless every part matches the manifest."""
-        name = Path(path).name
-        if Path(path).parent.resolve() != self.root.resolve():
+        text = os.fspath(path)
+        name = split_location(text)[1]
+        if not self._owns(text):
             # Another job's directory (a checkpoint a new job starts from).
-            CheckpointDir(Path(path).parent).verify(path)
+            CheckpointDir(split_location(text)[0]).verify(text)
             return
         manifest = self.storage.read_manifest(name)
         if manifest is None:
@@ -162,7 +193,7 @@ class CheckpointDir:
 
     def _verified_ok(self, info: CheckpointInfo) -> str | None:
         """None when ``info`` verifies (hashed again only when a part changed), else why."""
-        name = Path(info.path).name
+        name = split_location(info.path)[1]
         manifest = self.storage.read_manifest(name)
         known = self._verified.get(name)
         if known is not None and manifest is not None and known == self._stamps(name, manifest):
@@ -198,7 +229,7 @@ class CheckpointDir:
             if why is None:
                 valid[info.step] = info
                 continue
-            name = Path(info.path).name
+            name = split_location(info.path)[1]
             try:
                 where = self.storage.move_aside(name)
             except OSError:
@@ -207,10 +238,23 @@ class CheckpointDir:
             result.set_aside.append((info, why, where))
         protected = () if protect is None else (protect,)
         for step in steps_to_delete(valid, keep, protected):
-            self.storage.remove(Path(valid[step].path).name)
-            self._verified.pop(Path(valid[step].path).name, None)
+            name = split_location(valid[step].path)[1]
+            self.storage.remove(name)
+            self._verified.pop(name, None)
             result.removed.append(valid[step])
         return result
+
+
+def verify_files(folder: Path, manifest: dict[str, Any] | None) -> None:
+    """Raise :class:`CorruptCheckpoint` unless the files in ``folder`` match ``manifest``."""
+    if manifest is None or not _well_formed(manifest):
+        raise CorruptCheckpoint(f"{folder.name}: unreadable manifest")
+    for part, meta in manifest["files"].items():
+        f = folder / part
+        if not f.is_file():
+            raise CorruptCheckpoint(f"{folder.name}: {part} is missing")
+        if (f.stat().st_size, sha256_of(f)) != (meta["size"], meta["sha256"]):
+            raise CorruptCheckpoint(f"{folder.name}: {part} fails its checksum")
 
 
 def _well_formed(manifest: dict[str, Any] | None) -> bool:

@@ -2,6 +2,12 @@
 sends to the supervisor: `tensorboard --logdir <checkpoint dir>/<job>/tensorboard` shows the
 curves, and text markers where an attempt began (a restore, a resize).
 
+With checkpoints in an object store, the files are written to a local directory and
+copied to ``<checkpoint URI>/tensorboard`` at each checkpoint and when the attempt ends
+(through ``pyarrow.fs``, as the checkpoints are): the curves in the bucket lag by at most a
+checkpoint interval, and what an attempt drew after its last checkpoint on a node that
+died is lost with it.
+
 Each attempt opens a new event file in the same directory with ``purge_step`` set to the first step
 it trains, so TensorBoard drops the points the failed attempt reported past that step:
 the curves show the steps that count, once each.
@@ -13,6 +19,8 @@ import logging
 import math
 import os
 import re
+import shutil
+import tempfile
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -49,9 +57,17 @@ class TensorBoardLog:
     def __init__(self, checkpoint_dir: str, attempt: int, world_size: int, step: int) -> None:
         from tensorboardX import SummaryWriter  # installed with Ray; imported where used
 
+        from elastic.checkpoint_storage import is_object_uri
+
         self.path = directory(checkpoint_dir)
+        # Where the writer writes: the directory itself, or a local one copied to the store.
+        self.local = self.path
+        self.upload_to: str | None = None
+        if is_object_uri(checkpoint_dir):
+            self.upload_to = self.path
+            self.local = tempfile.mkdtemp(prefix="etrain-tensorboard-")
         self.writer = SummaryWriter(
-            self.path,
+            self.local,
             # Points of earlier attempts after the checkpoint are redone: drop them.
             purge_step=step + 1 if step > 0 else None,
             flush_secs=FLUSH_S,
@@ -71,14 +87,32 @@ class TensorBoardLog:
                         self.writer.add_scalar(tag, float(value), step)
             elif kind == "checkpoint_saved":
                 self._text(int(data["step"]), f"checkpoint saved at step {data['step']}")
+                self._upload()
         except (OSError, KeyError, ValueError) as e:
             log.warning("TensorBoard log: %s", e)
 
     def _text(self, step: int, text: str) -> None:
         self.writer.add_text(MARKERS, text, step)
 
+    def _upload(self) -> None:
+        if self.upload_to is None:
+            return
+        from pyarrow import fs as pafs
+
+        self.writer.flush()
+        store, base = pafs.FileSystem.from_uri(self.upload_to)
+        for name in sorted(os.listdir(self.local)):
+            pafs.copy_files(
+                os.path.join(self.local, name),
+                f"{base.rstrip('/')}/{name}",
+                destination_filesystem=store,
+            )
+
     def close(self) -> None:
         try:
             self.writer.close()
+            self._upload()
         except OSError as e:
             log.warning("TensorBoard log: %s", e)
+        if self.upload_to is not None:
+            shutil.rmtree(self.local, ignore_errors=True)

@@ -10,6 +10,13 @@ Ray itself runs with token authentication. On an external cluster the workers ha
 environment of the Ray nodes (set where the cluster is deployed) plus what a job's
 ``runtime_env`` adds; the service sends none of its own variables there.
 
+**Checkpoint storage.** When checkpoints go to an object store (``ETRAIN_CHECKPOINT_DIR``
+is ``s3://``, ``gs://`` or ``abfs://``), the store's own variables in the service's
+environment (:data:`STORAGE_VARIABLES`, for that scheme only) are handed to each job's
+supervisor as its Ray ``runtime_env``, which its attempts and workers inherit: the
+supervisor lists and verifies checkpoints and the workers write and read them. On the
+embedded Ray and on an external cluster alike, nothing else of the service's goes with them.
+
 **Files.** The service's own directories (data dir, checkpoints, the SQLite file's
 directory, Ray's session directory with every worker's log) are never a data path.
 """
@@ -72,6 +79,34 @@ ALLOWED_PREFIXES = (
 # The service's own variables; never passed on, whatever the allow-list says.
 SERVICE_PREFIX = "ETRAIN_"
 RAY_AUTH_VARIABLES = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# What pyarrow.fs reads to reach each object store, by the checkpoint URI's scheme.
+_S3_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_CA_BUNDLE",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+)
+_GCS_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT")
+_AZURE_VARIABLES = (
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_CLIENT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_TENANT_ID",
+)
+STORAGE_VARIABLES: dict[str, tuple[str, ...]] = {
+    "s3": _S3_VARIABLES,
+    "gs": _GCS_VARIABLES,
+    "gcs": _GCS_VARIABLES,
+    "abfs": _AZURE_VARIABLES,
+    "abfss": _AZURE_VARIABLES,
+}
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -98,6 +133,14 @@ def worker_environment(environ: Mapping[str, str], extra: Iterable[str] = ()) ->
         if name in ALLOWED_NAMES or name.startswith(ALLOWED_PREFIXES) or _matches(name, extra):
             out[name] = value
     return out
+
+
+def storage_environment(environ: Mapping[str, str], checkpoint_root: str) -> dict[str, str]:
+    """The variables of ``environ`` that a job's processes need to reach the object store
+    ``checkpoint_root`` names (none for a filesystem path)."""
+    scheme, sep, _ = checkpoint_root.partition("://")
+    names = STORAGE_VARIABLES.get(scheme.lower(), ()) if sep else ()
+    return {name: environ[name] for name in names if name in environ}
 
 
 @contextlib.contextmanager

@@ -165,6 +165,8 @@ def launch(
         "get_if_exists": True,
         **capacity.on_head_node(),
     }
+    if storage_env := isolation.storage_environment(os.environ, checkpoint_root):
+        options["runtime_env"] = {"env_vars": storage_env}  # attempts and workers inherit it
     handle = Supervisor.options(**options).remote(plan, first_seq)  # type: ignore[attr-defined]
     handle.start.remote()
     return handle

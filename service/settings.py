@@ -61,8 +61,9 @@ class Settings(BaseSettings):
     )
     checkpoint_dir: str | None = Field(
         None,
-        description="Directory where jobs write checkpoints; it must be reachable from every "
-        "Ray node (a shared volume on a real cluster). Unset: data_dir/checkpoints.",
+        description="Where jobs write checkpoints: a directory every Ray node reaches (a "
+        "shared volume on a real cluster), or a bucket (s3://bucket/prefix; its AWS_* "
+        "variables go to the jobs, see docs/security.md). Unset: data_dir/checkpoints.",
     )
     api_token: SecretStr | None = Field(
         None,

@@ -784,19 +784,40 @@ def test_every_value_is_documented() -> None:
     assert set(schema["required"]) <= set(values)
 
 
-def test_an_object_store_uri_for_checkpoints_is_refused() -> None:
-    """The service writes checkpoints to a filesystem path only: a chart that passed
-    s3://... as ETRAIN_CHECKPOINT_DIR would deploy a service whose every job fails."""
+def test_checkpoints_in_a_bucket_reach_the_service_and_every_ray_pod() -> None:
+    """storageUri becomes ETRAIN_CHECKPOINT_DIR (the service writes there through
+    pyarrow.fs: tests/integration/test_object_storage.py), the credentials Secret reaches
+    the API and every Ray container, and no checkpoint volume is made or mounted."""
     for mode in ("kuberay", "external"):
         values: dict[str, Any] = {
             "ray": {"mode": mode, "external": {"address": "ray://head:10001"}},
-            "checkpoints": {"storageUri": "s3://ckpt-bucket/elastic-train"},
+            "checkpoints": {
+                "storageUri": "s3://ckpt-bucket/elastic-train",
+                "credentialsSecret": "ckpt-s3",
+            },
         }
-        message = render_error(values)
-        assert (
-            "checkpoints.storageUri is s3://ckpt-bucket/elastic-train, but the service "
-            "writes checkpoints to a filesystem path only" in message
-        ), message
+        objects = render_objects(values)
+        api = api_container(objects)
+        assert env_of(api)["ETRAIN_CHECKPOINT_DIR"]["value"] == "s3://ckpt-bucket/elastic-train"
+        assert api["envFrom"] == [{"secretRef": {"name": "ckpt-s3"}}]
+        assert "checkpoints" not in {m["name"] for m in api.get("volumeMounts", [])}
+        claims = {o["metadata"]["name"] for o in kinds(objects, "PersistentVolumeClaim")}
+        assert f"{FULLNAME}-checkpoints" not in claims
+        if mode != "kuberay":
+            continue
+        for group, template in ray_pod_specs(one(objects, "RayCluster", RAY_CLUSTER)):
+            (container,) = template["spec"]["containers"]
+            assert container["envFrom"] == [{"secretRef": {"name": "ckpt-s3"}}], group
+            mounts = {m["name"] for m in container.get("volumeMounts", [])}
+            assert "checkpoints" not in mounts, group
+
+
+def test_a_bucket_without_credentials_or_of_an_unknown_scheme_is_refused() -> None:
+    message = render_error({"checkpoints": {"storageUri": "s3://ckpt-bucket/elastic-train"}})
+    assert "checkpoints.credentialsSecret is empty" in message, message
+    for uri in ("ftp://host/ckpt", "s3://", "/mnt/checkpoints"):
+        message = schema_error({"checkpoints": {"storageUri": uri, "credentialsSecret": "ckpt-s3"}})
+        assert "storageUri" in message, (uri, message)
 
 
 def test_the_readme_values_example_renders() -> None:

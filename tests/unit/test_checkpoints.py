@@ -165,7 +165,7 @@ def test_saving_a_step_again_replaces_it_and_readers_always_see_one(tmp_path: Pa
         stop.set()
         t.join()
     assert seen and set(seen) == {1}
-    assert (ckpts.path_for(10) / "state.pt").read_bytes() == b"again 5"
+    assert (Path(ckpts.path_for(10)) / "state.pt").read_bytes() == b"again 5"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000000010"]
 
 

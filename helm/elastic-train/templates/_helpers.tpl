@@ -177,11 +177,11 @@ them, so that a wrong combination fails the render with one clear sentence.
 {{- if and (eq .Values.ray.mode "external") (not .Values.ray.external.address) }}
 {{- fail "ray.mode is external but ray.external.address is empty: set it, e.g. ray://ray-head.ray.svc:10001." }}
 {{- end }}
-{{- if .Values.checkpoints.storageUri }}
-{{- fail (printf "checkpoints.storageUri is %s, but the service writes checkpoints to a filesystem path only (object storage is not supported yet): leave it empty, mount the bucket as a ReadWriteMany volume (a CSI driver such as Mountpoint for S3 or gcsfuse) and name its claim in checkpoints.persistence.existingClaim." .Values.checkpoints.storageUri) }}
+{{- if and .Values.checkpoints.storageUri (not .Values.checkpoints.credentialsSecret) }}
+{{- fail (printf "checkpoints.storageUri is %s but checkpoints.credentialsSecret is empty: name the Secret that holds the store's credentials (e.g. AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, and AWS_ENDPOINT_URL for a store other than AWS)." .Values.checkpoints.storageUri) }}
 {{- end }}
-{{- if and (eq .Values.ray.mode "kuberay") (not .Values.checkpoints.persistence.enabled) }}
-{{- fail "ray.mode is kuberay but checkpoints have nowhere shared to go: enable checkpoints.persistence (a ReadWriteMany volume)." }}
+{{- if and (eq .Values.ray.mode "kuberay") (not .Values.checkpoints.persistence.enabled) (not .Values.checkpoints.storageUri) }}
+{{- fail "ray.mode is kuberay but checkpoints have nowhere shared to go: set checkpoints.storageUri (a bucket) or enable checkpoints.persistence (a ReadWriteMany volume)." }}
 {{- end }}
 {{- if and (eq .Values.ray.mode "kuberay") .Values.networkPolicy.enabled .Values.ray.kuberay.dashboard.ingress.enabled (not .Values.ray.kuberay.dashboard.allowFrom) }}
 {{- fail "ray.kuberay.dashboard.ingress.enabled is true but ray.kuberay.dashboard.allowFrom is empty: the NetworkPolicy would block the ingress controller. List its pods/namespace there." }}
