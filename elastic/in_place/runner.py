@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 import ray
@@ -22,6 +23,8 @@ from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_MS = 1000
+# After a replica finished the job, how long the final checkpoint's writer may take.
+FINAL_WRITE_S = 60.0
 
 
 class InPlaceRunner:
@@ -69,11 +72,16 @@ class InPlaceRunner:
             ] = next_index
             next_index += 1
         stop = asyncio.ensure_future(self.stopped.wait())
+        finished_at: float | None = None
         try:
             while runs:
-                done, _ = await asyncio.wait({*runs, stop}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {*runs, stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
                 if stop in done:
                     return AttemptOutcome()
+                if finished_at is not None and time.monotonic() - finished_at > FINAL_WRITE_S:
+                    return AttemptOutcome("the final checkpoint's writer did not finish")
                 for fut in done:
                     index = runs.pop(fut)
                     self.actors.pop(index, None)
@@ -91,8 +99,11 @@ class InPlaceRunner:
                         if index >= spec.world_size and "no healthy peer" in str(e):
                             continue  # a joiner that came too late never trains alone
                         return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
-                    # One replica finished the job: the end is decided here, once.
-                    return AttemptOutcome()
+                    # The job is finished: decided here, once, when the replica that wrote the
+                    # final checkpoint says so (the others are stopped then).
+                    if fut.result() == "finished":
+                        return AttemptOutcome()
+                    finished_at = finished_at or time.monotonic()
             return AttemptOutcome("every replica was lost")
         finally:
             stop.cancel()

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import ClusterPool
 from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
@@ -19,6 +20,7 @@ from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     api,
     elastic_job,
     events,
+    final_state,
     finish,
     pool,
     wait_until,
@@ -55,6 +57,12 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     tmp_path: Path,
 ) -> None:
     steps = 160
+    # The reference: the same job uninterrupted, in restart mode (classic DDP).
+    reference_spec = in_place_job(steps)
+    del reference_spec["fault_tolerance"]
+    reference = api.post("/v1/jobs", json=reference_spec).json()
+    assert finish(api, reference["id"])["state"] == "succeeded"
+
     job = api.post("/v1/jobs", json=in_place_job(steps)).json()
     assert "id" in job, job
     wait_until(
@@ -91,3 +99,11 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     for epoch in range(steps // 16):
         assert {i for e, i in counted if e == epoch} == set(range(DATASET))
     assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+
+    # Float64: parameters and momentum buffers equal the uninterrupted run's.
+    root = tmp_path / "checkpoints"
+    ours, theirs = final_state(api, job["id"], root), final_state(api, reference["id"], root)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert tensor.dtype == torch.float64
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
