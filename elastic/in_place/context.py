@@ -146,6 +146,7 @@ class InPlaceContext(TrainContext):
                     epoch_permutation(dataset_size, seed, position.epoch),
                 )
             assert perm is not None
+            indices: list[int]
             if rank is None:
                 indices, global_batch = [], min(global_batch_size, dataset_size)
             else:
@@ -214,7 +215,9 @@ class InPlaceContext(TrainContext):
         # One all-reduce per dtype: the sum over the quorum is the global batch's mean.
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)  # type: ignore[union-attr]
+            grad = p.grad
+            assert grad is not None
+            by_dtype.setdefault(grad.dtype, []).append(grad)
         flats = {dt: torch.cat([g.reshape(-1) for g in gs]) for dt, gs in by_dtype.items()}
         works = [
             self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)

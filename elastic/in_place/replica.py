@@ -76,6 +76,7 @@ class Replica:
         from elastic.worker_logs import forward_output
 
         meta = WorkerConfig.from_dict(config["_elastic"])
+        assert meta.supervisor is not None, "an in-place replica reports to its supervisor"
         supervisor = ray.get_actor(meta.supervisor, namespace=meta.namespace)
         supervisor.register_worker.remote(
             meta.attempt, replica, ray.get_runtime_context().get_node_id()
