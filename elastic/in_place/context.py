@@ -11,7 +11,6 @@ joins heals from a peer (model, optimizer, schedule, step, sampler position) at 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -31,10 +30,8 @@ from elastic.loop import (
     _map,
     _rows,
     micro_batches,
-    total_steps,
 )
 from elastic.sampling import SamplerPosition, advance, epoch_permutation
-from elastic.schedule import lr_factor
 
 
 class InPlaceContext(TrainContext):
@@ -86,8 +83,6 @@ class InPlaceContext(TrainContext):
         record_samples: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> Iterator[StepBatch]:
-        if self.model is None or self.optimizer is None:
-            raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
         settings = LoopSettings(
             global_batch_size,
             seed,
@@ -99,16 +94,8 @@ class InPlaceContext(TrainContext):
             record_samples,
         )
         dataset_size = len(dataset)  # type: ignore[arg-type]
-        last_step = self._final_step = total_steps(settings, dataset_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps)
-        )
-        if self.checkpoints.state.register("scheduler", self.scheduler):
-            for group, lr in zip(
-                self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
-            ):
-                group["lr"] = lr
-        self._micro = math.ceil(global_batch_size / self.worker.max_workers)
+        last_step = self._begin_steps(settings, dataset_size)
+        assert self.model is not None
         rng = RankRng(self.replica, seed, lambda: self.step, self.checkpoints.gather)
         self.checkpoints.state.register("rng", rng)
         collate = collate_fn or default_collate
