@@ -29,6 +29,7 @@ class EventKind(StrEnum):
     WORKER_LOST = "worker_lost"
     RESTORED = "restored"
     RESIZED = "resized"
+    JOINED = "joined"  # in place: a replica joined the quorum, healed from a peer
     WAITING = "waiting"  # the job cannot start or grow yet, and why
     SUPERVISOR_RECREATED = "supervisor_recreated"
     EVENTS_DROPPED = "events_dropped"

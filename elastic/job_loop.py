@@ -151,7 +151,8 @@ class JobLoop:
         attempt = self._begin(size, checkpoint)
         spec = AttemptSpec(attempt.number, size, checkpoint.path if checkpoint else None)
         running = asyncio.ensure_future(self.runner.run(spec))
-        watcher = asyncio.ensure_future(self._watch(attempt))
+        watch = self._watch_in_place if self.plan.fault_tolerance == "in_place" else self._watch
+        watcher = asyncio.ensure_future(watch(attempt))
         try:
             await asyncio.wait({running, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if not running.done():  # the watcher stopped the attempt: bound the wait for it
@@ -278,6 +279,17 @@ class JobLoop:
                 self._claim_settled = True
                 await self.capacity.settle()
             await self._maybe_reserve_growth(attempt, snap)
+
+    async def _watch_in_place(self, attempt: Attempt) -> None:
+        """In place, a node loss ends nothing: the replicas' quorum goes on without it and
+        the runner places replacements that wait for capacity. Only what was handed over at
+        the start is settled once the first replicas are placed."""
+        self._claim_settled = False
+        while not attempt.ended:
+            await self._next_snapshot()
+            if not self._claim_settled and attempt.all_placed:
+                self._claim_settled = True
+                await self.capacity.settle()
 
     async def _maybe_reserve_growth(self, attempt: Attempt, snap: Snapshot) -> None:
         if (

@@ -376,8 +376,6 @@ class TrainContext:
         first of ``epochs`` and ``max_steps``. Between steps it reports metrics, saves
         checkpoints every ``checkpoint.every_steps`` and, when the job is to grow, raises
         ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch."""
-        if self.model is None or self.optimizer is None:
-            raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
         settings = LoopSettings(
             global_batch_size,
             seed,
@@ -389,20 +387,7 @@ class TrainContext:
             record_samples,
         )
         dataset_size = len(dataset)  # type: ignore[arg-type]
-        last_step = self._final_step = total_steps(settings, dataset_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, last_step, lr_schedule, warmup_steps)
-        )
-        if self.checkpoints.state.register("scheduler", self.scheduler):
-            # Making the scheduler set the lr of step 0; the restored step's lr is the one.
-            for group, lr in zip(
-                self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
-            ):
-                group["lr"] = lr
-        # The micro-batch is a worker's share at full size: fewer workers accumulate more
-        # of them, so memory per step stays put and one optimizer step still sees the
-        # global batch.
-        self._micro = math.ceil(global_batch_size / self.worker.max_workers)
+        last_step = self._begin_steps(settings, dataset_size)
         sampler = _StepBatches(
             self.position,
             dataset_size,
@@ -426,6 +411,7 @@ class TrainContext:
             rng.load_state_dict(None)
         first_step = self.step + 1
         window_start, window_samples = time.perf_counter(), 0
+        assert self.model is not None
         self.model.train()
         batch_iter = iter(loader)
         while self.step < last_step:
@@ -461,6 +447,28 @@ class TrainContext:
                 window_start, window_samples = time.perf_counter(), 0
             if self.step % self.worker.every_steps == 0 or self.step == last_step:
                 self._checkpoint(last_step)
+
+    def _begin_steps(self, settings: LoopSettings, dataset_size: int) -> int:
+        """The learning-rate schedule (restored with the checkpoint) and the micro-batch
+        size of a run of steps; returns its last step."""
+        if self.model is None or self.optimizer is None:
+            raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
+        last_step = self._final_step = total_steps(settings, dataset_size)
+        schedule, warmup = settings.lr_schedule, settings.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, last_step, schedule, warmup)
+        )
+        if self.checkpoints.state.register("scheduler", self.scheduler):
+            # Making the scheduler set the lr of step 0; the restored step's lr is the one.
+            for group, lr in zip(
+                self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+            ):
+                group["lr"] = lr
+        # The micro-batch is a worker's share at full size: fewer workers accumulate more
+        # of them, so memory per step stays put and one optimizer step still sees the
+        # global batch.
+        self._micro = math.ceil(settings.global_batch_size / self.worker.max_workers)
+        return last_step
 
     def train_step(self, batch: StepBatch, loss_per_sample: LossPerSample) -> None:
         """Forward and backward over the batch in micro-batches, the gradients of the whole

@@ -34,3 +34,6 @@ class SupervisorPlan:
     # Attempts are numbered from here: a re-created supervisor starts above every number
     # its predecessor can have used, so that no two attempts of a job share one.
     first_attempt: int = 1
+    # "in_place": survivors train on through a node loss (elastic/in_place); "restart": a new
+    # worker group from the latest checkpoint.
+    fault_tolerance: str = "restart"

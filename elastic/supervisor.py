@@ -47,7 +47,13 @@ def worker_config(plan: SupervisorPlan, spec: AttemptSpec) -> dict[str, Any]:
 @ray.remote(num_cpus=0, max_restarts=0)
 class Supervisor:
     def __init__(self, plan: SupervisorPlan, first_seq: int) -> None:
-        runner = RayTrainRunner(asdict(plan), lambda spec: worker_config(plan, spec))
+        runner: Any
+        if plan.fault_tolerance == "in_place":
+            from elastic.in_place.runner import InPlaceRunner
+
+            runner = InPlaceRunner(asdict(plan), lambda spec: worker_config(plan, spec))
+        else:
+            runner = RayTrainRunner(asdict(plan), lambda spec: worker_config(plan, spec))
         self.loop = JobLoop(
             plan,
             runner,

@@ -158,6 +158,12 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     distributed: DistributedSpec = Field(default_factory=DistributedSpec)
+    fault_tolerance: Literal["in_place", "restart"] = Field(
+        "restart",
+        description="in_place: the surviving workers train on through a node loss and new "
+        "workers join at a step boundary, healed from a peer (DDP only); restart: the job "
+        "restarts its workers from the latest checkpoint at the new size.",
+    )
 
     @property
     def is_custom(self) -> bool:
@@ -253,6 +259,30 @@ class JobSpec(BaseModel):
                 f"local_sgd_period ({d.local_sgd_period}), so that every checkpoint "
                 "holds the averaged model",
                 d.local_sgd_period,
+            )
+        if self.fault_tolerance == "in_place" and d.strategy == "fsdp":
+            raise field_error(
+                "JobSpec",
+                "fault_tolerance",
+                "in_place recovery needs every worker to hold the whole model (a peer heals a "
+                "joiner): use strategy ddp with it, or fault_tolerance restart with fsdp",
+                self.fault_tolerance,
+            )
+        if self.fault_tolerance == "in_place" and d.sync == "local_sgd":
+            raise field_error(
+                "JobSpec",
+                "fault_tolerance",
+                "in_place recovery averages gradients every step: use sync every_step with "
+                "it, or fault_tolerance restart with local_sgd",
+                self.fault_tolerance,
+            )
+        if self.fault_tolerance == "in_place" and d.gradient_compression != "none":
+            raise field_error(
+                "JobSpec",
+                "fault_tolerance",
+                "in_place recovery averages exact gradients: use gradient_compression none "
+                "with it, or fault_tolerance restart",
+                self.fault_tolerance,
             )
         if d.precision != "fp32" and self.hyperparameters.get("dtype") == "float64":
             raise refuse(

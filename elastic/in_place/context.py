@@ -1,0 +1,288 @@
+"""The training context of an in-place replica: the same ``train_loop(config, ctx)`` API as
+:class:`elastic.loop.TrainContext`, with every step taken by whichever replicas the torchft
+quorum holds at that step.
+
+Each replica is a world of one for ``torch.distributed`` (no DDP wrapper): its only
+collective is the manager's fault-tolerant all-reduce of the step's gradients. A step whose
+all-reduce or commit fails is discarded and redone whole by the next quorum; a replica that
+joins heals from a peer (model, optimizer, schedule, step, sampler position) at the quorum.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from elastic.checkpoint_state import RankRng, seed_rank
+from elastic.in_place.steps import Timeline, loss_weight, participant_indices
+from elastic.loop import (
+    LoopSettings,
+    LossPerSample,
+    StepBatch,
+    TrainContext,
+    _map,
+    _rows,
+    micro_batches,
+)
+from elastic.sampling import SamplerPosition, advance, epoch_permutation
+
+
+class InPlaceContext(TrainContext):
+    """``manager_factory(load, save)`` builds this replica's torchft ``Manager`` once the
+    loop's parts are registered (the heal state is theirs)."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker: Any,
+        manager_factory: Callable[[Callable[[Any], None], Callable[[], Any]], Any],
+        replica: int,
+        must_heal: bool = False,
+    ) -> None:
+        super().__init__(config, worker)
+        # A replacement or a late joiner: it must find a healthy peer to heal from, and never
+        # trains on alone from its own (older) state.
+        self.must_heal = must_heal
+        self.manager_factory = manager_factory
+        self.manager: Any = None
+        self.replica = replica
+        self.timeline = Timeline()
+        self._committed = False
+        self._participants = 1
+
+    # -- the heal state: every replicated checkpoint part ------------------------------------
+
+    def _heal_state(self) -> dict[str, Any]:
+        return self.checkpoints.state.replicated_state()
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        for name, part in self.checkpoints.state.replicated.items():
+            if name in state:
+                part.load_state_dict(state[name])
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def batches(  # type: ignore[override]
+        self,
+        dataset: Dataset,
+        global_batch_size: int,
+        *,
+        epochs: int | None = None,
+        max_steps: int | None = None,
+        seed: int = 0,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        report_every_steps: int = 1,
+        record_samples: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> Iterator[StepBatch]:
+        settings = LoopSettings(
+            global_batch_size,
+            seed,
+            max_steps,
+            epochs,
+            report_every_steps,
+            lr_schedule,
+            warmup_steps,
+            record_samples,
+        )
+        dataset_size = len(dataset)  # type: ignore[arg-type]
+        last_step = self._begin_steps(settings, dataset_size)
+        assert self.model is not None
+        rng = RankRng(self.replica, seed, lambda: self.step, self.checkpoints.gather)
+        self.checkpoints.state.register("rng", rng)
+        collate = collate_fn or default_collate
+        set_epoch = getattr(dataset, "set_epoch", None)
+        samples = _CommittedSamples(self.worker, self.replica, record_samples)
+        self.manager = self.manager_factory(self._load_heal_state, self._heal_state)
+        # torchft counts committed steps itself: it starts where this replica's state is, so
+        # a replica resumed from a checkpoint is not healed back, and a joiner behind is.
+        self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
+        perm_epoch, perm = -1, None
+        self.model.train()
+        while self.step < last_step:
+            self.manager.start_quorum()  # may heal this replica: step and position move
+            if self.step >= last_step:
+                break
+            participants = self.manager.num_participants()
+            rank = self.manager.participating_rank()
+            if self.must_heal:
+                if participants < 2:
+                    raise RuntimeError(
+                        f"replica {self.replica} found no healthy peer to heal from; it does "
+                        f"not train on alone from step {self.step}"
+                    )
+                self.must_heal = False
+            # The quorum's rank 0 writes checkpoints and reports, as rank 0 does elsewhere.
+            self.worker.rank = rank if rank is not None else participants
+            self._participants = participants
+            # Randomness of a step depends on (seed, rank in the quorum, step) only: the
+            # same after a heal, a redo or a resize.
+            seed_rank(seed, self.worker.rank, self.step)
+            position = self.position
+            if position.epoch != perm_epoch:
+                perm_epoch, perm = (
+                    position.epoch,
+                    epoch_permutation(dataset_size, seed, position.epoch),
+                )
+            assert perm is not None
+            indices: list[int]
+            if rank is None:
+                indices, global_batch = [], min(global_batch_size, dataset_size)
+            else:
+                indices, global_batch = participant_indices(
+                    perm, position, dataset_size, global_batch_size, participants, rank
+                )
+            if set_epoch is not None:
+                set_epoch(position.epoch)
+            inputs, targets = collate([dataset[i] for i in (indices or [0])])
+            after = advance(position, dataset_size, global_batch_size)
+            batch = StepBatch(
+                step=self.step + 1,
+                epoch=position.epoch,
+                inputs=_map(inputs, lambda t: t.to(self.device)),
+                targets=targets.to(self.device),
+                global_batch=global_batch,
+                indices=indices,
+                ends_epoch=after.epoch != position.epoch,
+            )
+            self._committed = False
+            yield batch
+            if not self._committed:
+                if self._trained == batch.step:
+                    raise RuntimeError("unreachable: a trained step was not committed")
+                self.timeline.failed(time.time())
+                continue  # redone whole by the next quorum
+            self.step = self.worker.completed_step = batch.step
+            self.position = after
+            samples.write(self.step, position.epoch, perm, position, dataset_size, global_batch)
+            change = self.timeline.committed(self.step, participants, time.time())
+            if change is not None and self.worker.rank == 0:
+                self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
+                self.worker.emit("resized", {"kind": "resized", **change.fields()})
+            if self.step in (1, last_step) or self.step % report_every_steps == 0:
+                self._report(last_step, None)
+            if self.step % self.worker.every_steps == 0 or self.step == last_step:
+                self.checkpoints.save(self.step)
+                if self.step == last_step:
+                    self.checkpoints.wait()
+
+    def train_step(self, batch: StepBatch, loss_per_sample: LossPerSample) -> None:
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None and self.scheduler is not None
+        assert self.manager is not None
+        inputs = self._cast(batch.inputs)
+        targets = batch.targets
+        optimizer.zero_grad(set_to_none=False)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        weight = loss_weight(batch.global_batch)
+        for a, b in micro_batches(batch.real, self._micro):
+            with self.precision.autocast():
+                outputs = model(_rows(inputs, a, b))
+                losses = loss_per_sample(outputs, targets[a:b])
+            if (
+                isinstance(outputs, torch.Tensor)
+                and outputs.dim() == 2
+                and not targets.is_floating_point()
+            ):
+                totals[1] += (outputs.argmax(dim=1) == targets[a:b]).sum()
+            totals[0] += losses.detach().double().sum()
+            self.precision.backward(losses.sum() * weight)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # One all-reduce per dtype: the sum over the quorum is the global batch's mean.
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            grad = p.grad
+            assert grad is not None
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        flats = {dt: torch.cat([g.reshape(-1) for g in gs]) for dt, gs in by_dtype.items()}
+        works = [
+            self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
+            for flat in [*flats.values(), totals]
+        ]
+        for work in works:
+            work.wait()
+        if not self.manager.should_commit():
+            return
+        for dt, gs in by_dtype.items():
+            offset = 0
+            for g in gs:
+                g.copy_(flats[dt][offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self.checkpoints.before_update()
+        self.precision.step(optimizer)
+        self.scheduler.step()
+        self._totals = totals
+        self._step_global_batch = batch.global_batch
+        self._trained = batch.step
+        self._committed = True
+
+    def _report(self, last_step: int, samples_per_s: float | None) -> None:
+        if self.worker.rank != 0:
+            self._extra_metrics = {}
+            return
+        assert self.scheduler is not None
+        totals, global_batch = self._totals, self._step_global_batch
+        self.worker.emit(
+            "metrics",
+            {
+                "step": self.step,
+                "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,
+                "loss": float(totals[0]) / global_batch,
+                "accuracy": float(totals[1]) / global_batch,
+                "samples_per_s": samples_per_s,
+                "learning_rate": self.scheduler.get_last_lr()[0],
+                "world_size": self._participants,
+                "total_steps": last_step,
+                "completed_step": self.step,
+                "longest_pause_s": round(self.timeline.longest_pause, 4),
+                **self._extra_metrics,
+            },
+        )
+        self._extra_metrics = {}
+
+
+class _CommittedSamples:
+    """Every committing replica writes the whole step's indices: a replica that died after
+    the all-reduce (its share was in the committed gradient) leaves no gap in the audit.
+    The audit takes one record per step."""
+
+    def __init__(self, worker: Any, replica: int, enabled: bool) -> None:
+        self.file = None
+        self.attempt = worker.attempt
+        if enabled:
+            folder = Path(worker.checkpoints.root) / "samples"
+            folder.mkdir(parents=True, exist_ok=True)
+            name = f"attempt-{worker.attempt}-replica-{replica}.jsonl"
+            self.file = (folder / name).open("a")
+
+    def write(
+        self,
+        step: int,
+        epoch: int,
+        perm: Any,
+        position: SamplerPosition,
+        dataset_size: int,
+        global_batch: int,
+    ) -> None:
+        if self.file is None:
+            return
+        end = min(position.consumed + global_batch, dataset_size)
+        indices = [int(i) for i in perm[position.consumed : end]]
+        self.file.write(json.dumps({"a": self.attempt, "s": step, "e": epoch, "i": indices}))
+        self.file.write("\n")
+        self.file.flush()
+
+
+def manager_timeout(collective_timeout_s: int) -> timedelta:
+    return timedelta(seconds=collective_timeout_s)

@@ -1,0 +1,113 @@
+"""One in-place replica: a Ray actor running the job's ``train_loop`` with an
+:class:`InPlaceContext` and its own torchft ``Manager`` (a replica group of one)."""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+import ray
+
+from elastic.attempt_runner import resolve
+from elastic.worker_config import WorkerConfig
+
+# The lighthouse forgets a replica whose heartbeats stop for this long: the survivors'
+# pause after a silent loss. A SIGKILLed peer surfaces sooner, as a collective error.
+HEARTBEAT_TIMEOUT_MS = 500
+HEARTBEAT_INTERVAL = timedelta(milliseconds=100)
+
+
+def make_manager(
+    load: Any,
+    save: Any,
+    *,
+    lighthouse: str,
+    replica_id: str,
+    timeout_s: float,
+    host: str,
+) -> Any:
+    import torch
+    from torch.distributed import TCPStore
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = timedelta(seconds=timeout_s)
+    # The replica group's own store (a group of one): loopback only.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load,
+        state_dict=save,
+        min_replica_size=1,
+        use_async_quorum=False,  # the quorum is known before the step's samples are chosen
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=max(30.0, timeout_s)),
+        connect_timeout=timedelta(seconds=10),
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=replica_id,
+        hostname=host,
+        heartbeat_interval=HEARTBEAT_INTERVAL,
+        checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
+        init_sync=False,  # every replica builds the model from the same seed
+    )
+    manager._elastic_store = store  # kept alive with the manager
+    return manager
+
+
+@ray.remote(max_restarts=0)
+class Replica:
+    def run(
+        self,
+        config: dict[str, Any],
+        replica: int,
+        lighthouse: str,
+        timeout_s: float,
+        must_heal: bool,
+    ) -> str:
+        from elastic.in_place.context import InPlaceContext
+        from elastic.worker import WorkerContext
+        from elastic.worker_logs import forward_output
+
+        meta = WorkerConfig.from_dict(config["_elastic"])
+        assert meta.supervisor is not None, "an in-place replica reports to its supervisor"
+        supervisor = ray.get_actor(meta.supervisor, namespace=meta.namespace)
+        supervisor.register_worker.remote(
+            meta.attempt, replica, ray.get_runtime_context().get_node_id()
+        )
+        # Only a replica placed when the attempt started cleans a crashed writer's leftovers:
+        # a joiner must not remove the staging directory of a write in flight.
+        worker = WorkerContext(0 if replica == 0 else 1, 1, meta, supervisor)
+        host = ray.util.get_node_ip_address() or socket.gethostname()
+
+        def factory(load: Any, save: Any) -> Any:
+            return make_manager(
+                load,
+                save,
+                lighthouse=lighthouse,
+                replica_id=f"{meta.supervisor}-r{replica}",
+                timeout_s=timeout_s,
+                host=host,
+            )
+
+        def send(lines: list[list[Any]]) -> None:
+            supervisor.record.remote(
+                "log", {"attempt": meta.attempt, "rank": replica, "lines": lines}
+            )
+
+        ctx = InPlaceContext(config, worker, factory, replica, must_heal)
+        try:
+            with forward_output(send):
+                resolve(meta.train_loop)(config, ctx)
+            ctx.checkpoints.wait()
+        finally:
+            if ctx.manager is not None:
+                ctx.manager.shutdown(wait=False)
+        # The quorum's rank 0 wrote the final checkpoint: the runner waits for its word.
+        return "finished" if worker.rank == 0 else "finished as a replica"

@@ -1,0 +1,123 @@
+"""The supervisor's side of in-place recovery: one attempt is a torchft lighthouse (in the
+supervisor's process, bound to its node's address) and a replica actor per worker slot up
+to ``max_workers``. Replicas beyond the free capacity wait in Ray's queue and join when a
+node arrives; a lost replica is replaced the same way. The attempt ends when a replica
+finishes the job (the end is decided once: the rest are stopped), on a job error, or when
+every replica is gone (then the supervisor restarts from the latest checkpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import ray
+
+from elastic.attempt import AttemptOutcome
+from elastic.attempt_runner import AttemptSpec
+from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_MS = 1000
+# After a replica finished the job, how long the final checkpoint's writer may take.
+FINAL_WRITE_S = 60.0
+
+
+class InPlaceRunner:
+    def __init__(self, plan: dict[str, Any], config_for: Any) -> None:
+        self.plan = plan
+        self.config_for = config_for  # AttemptSpec -> the train-loop config
+        self.actors: dict[int, Any] = {}
+        self.stopped = asyncio.Event()
+
+    def _lighthouse(self) -> Any:
+        from torchft.coordination import LighthouseServer
+
+        host = ray.util.get_node_ip_address()
+        return LighthouseServer(
+            bind=f"{host}:0",
+            min_replicas=1,
+            join_timeout_ms=JOIN_TIMEOUT_MS,
+            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        )
+
+    def _place(self, index: int, config: dict[str, Any], lighthouse: str, joiner: bool) -> Any:
+        resources = dict(self.plan["resources_per_worker"])
+        actor = Replica.options(  # type: ignore[attr-defined]
+            num_cpus=resources.pop("CPU", 1),
+            num_gpus=resources.pop("GPU", 0),
+            resources=resources or None,
+            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+        ).remote()
+        self.actors[index] = actor
+        timeout_s = float(self.plan["collective_timeout_s"])
+        return actor.run.remote(config, index, lighthouse, timeout_s, joiner)
+
+    async def run(self, spec: AttemptSpec) -> AttemptOutcome:
+        self.stopped = asyncio.Event()
+        lighthouse = self._lighthouse()
+        config = self.config_for(spec)
+        address = lighthouse.address()
+        runs: dict[asyncio.Future[Any], int] = {}
+        next_index = 0
+        for _ in range(int(self.plan["max_workers"])):
+            runs[
+                asyncio.ensure_future(
+                    self._place(next_index, config, address, next_index >= spec.world_size)
+                )
+            ] = next_index
+            next_index += 1
+        stop = asyncio.ensure_future(self.stopped.wait())
+        finished_at: float | None = None
+        try:
+            while runs:
+                done, _ = await asyncio.wait(
+                    {*runs, stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                )
+                if stop in done:
+                    return AttemptOutcome()
+                if finished_at is not None and time.monotonic() - finished_at > FINAL_WRITE_S:
+                    return AttemptOutcome("the final checkpoint's writer did not finish")
+                for fut in done:
+                    index = runs.pop(fut)
+                    self.actors.pop(index, None)
+                    try:
+                        fut.result()
+                    except ray.exceptions.RayActorError:
+                        # Its node went, or its process died: the others train on; a
+                        # replacement waits for capacity in Ray's queue.
+                        if not self.stopped.is_set():
+                            call = self._place(next_index, config, address, True)
+                            runs[asyncio.ensure_future(call)] = next_index
+                            next_index += 1
+                        continue
+                    except ray.exceptions.RayTaskError as e:
+                        if index >= spec.world_size and "no healthy peer" in str(e):
+                            continue  # a joiner that came too late never trains alone
+                        return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
+                    # The job is finished: decided here, once, when the replica that wrote the
+                    # final checkpoint says so (the others are stopped then).
+                    if fut.result() == "finished":
+                        return AttemptOutcome()
+                    finished_at = finished_at or time.monotonic()
+            return AttemptOutcome("every replica was lost")
+        finally:
+            stop.cancel()
+            self._kill_all()
+            for fut in runs:
+                fut.cancel()
+            lighthouse.shutdown()
+
+    def _kill_all(self) -> None:
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self.actors.clear()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self._kill_all()

@@ -1,0 +1,107 @@
+"""The pure arithmetic of a quorum-aware step: which samples each participant trains on,
+how its loss is weighted, and what a change of quorum cost (pause, steps redone).
+
+No torch, no Ray, no torchft: unit-tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from elastic.sampling import SamplerPosition, share
+
+
+def step_positions(position: SamplerPosition, dataset_size: int, global_batch: int) -> range:
+    """Positions ``[k*B, (k+1)*B)`` of the epoch's permutation that the step at ``position``
+    consumes (the epoch's last step may be shorter)."""
+    start = position.consumed
+    return range(start, min(start + global_batch, dataset_size))
+
+
+def participant_indices(
+    permutation: np.ndarray,
+    position: SamplerPosition,
+    dataset_size: int,
+    global_batch: int,
+    participants: int,
+    rank: int,
+) -> tuple[list[int], int]:
+    """(this participant's dataset indices, the step's global batch): the step's positions
+    split over the quorum's participants by their rank in it, contiguous and differing by at
+    most one sample."""
+    positions = step_positions(position, dataset_size, global_batch)
+    batch = permutation[positions.start : positions.stop]
+    start, end = share(len(batch), participants, rank)
+    return [int(i) for i in batch[start:end]], len(batch)
+
+
+def loss_weight(global_batch: int) -> float:
+    """Each participant's per-sample losses are summed and weighted by this: the gradients'
+    all-reduce (a sum over the participants) is then the exact mean over the global batch,
+    whatever the quorum's size and split."""
+    return 1.0 / global_batch
+
+
+@dataclass
+class QuorumChange:
+    """What one change of the quorum's size cost, measured by a replica that went through it."""
+
+    kind: str  # "worker_lost" when the quorum shrank, "joined" when it grew
+    step: int  # the first step committed at the new size
+    from_world: int
+    to_world: int
+    steps_redone: int  # 1 when the step in flight was discarded and redone whole, else 0
+    pause_seconds: float  # the gap between the last commit before and the first after
+    recovery_seconds: float | None  # from the first failure signal to that commit
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "from_world": self.from_world,
+            "to_world": self.to_world,
+            "steps_redone": self.steps_redone,
+            "pause_seconds": round(self.pause_seconds, 4),
+            "recovery_seconds": None
+            if self.recovery_seconds is None
+            else round(self.recovery_seconds, 4),
+            "in_place": True,
+        }
+
+
+class Timeline:
+    """A replica's committed steps and failed tries, as they happen: each commit at a new
+    quorum size yields the :class:`QuorumChange` that led to it."""
+
+    def __init__(self) -> None:
+        self.last_commit: float | None = None
+        self.world: int | None = None
+        self.first_failure: float | None = None  # since the last commit
+        self.failed_tries = 0  # of the step now in flight
+        self.longest_pause = 0.0  # between any two commits seen
+
+    def failed(self, now: float) -> None:
+        if self.first_failure is None:
+            self.first_failure = now
+        self.failed_tries += 1
+
+    def committed(self, step: int, world: int, now: float) -> QuorumChange | None:
+        change = None
+        gap = None if self.last_commit is None else now - self.last_commit
+        if gap is not None:
+            self.longest_pause = max(self.longest_pause, gap)
+        if self.world is not None and world != self.world and gap is not None:
+            change = QuorumChange(
+                kind="worker_lost" if world < self.world else "joined",
+                step=step,
+                from_world=self.world,
+                to_world=world,
+                steps_redone=1 if self.failed_tries else 0,
+                pause_seconds=gap,
+                recovery_seconds=None if self.first_failure is None else now - self.first_failure,
+            )
+        self.last_commit, self.world = now, world
+        self.first_failure, self.failed_tries = None, 0
+        return change

@@ -1,0 +1,109 @@
+"""In-place recovery on a real multi-node Ray cluster: a node dies under a job in
+``fault_tolerance: in_place`` mode, the survivors train on from the same step without a
+restart, and a node added back joins, healed from a peer."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from tests.conftest import ClusterPool
+from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
+    BATCH,
+    DATASET,
+    api,
+    elastic_job,
+    events,
+    final_state,
+    finish,
+    pool,
+    wait_until,
+)
+
+pytestmark = pytest.mark.ray
+
+
+def in_place_job(steps: int) -> dict[str, Any]:
+    spec = elastic_job(steps, every=20)
+    spec["fault_tolerance"] = "in_place"
+    spec["hyperparameters"]["augment"] = "crop_flip"
+    return spec
+
+
+def committed_samples(job_root: Path) -> Counter[tuple[int, int]]:
+    """(epoch, index) -> how often a committed step trained on it. Every committing replica
+    writes the step's whole batch: they must agree, and each step counts once."""
+    by_step: dict[int, tuple[int, list[int]]] = {}
+    for f in (job_root / "samples").iterdir():
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            seen = by_step.setdefault(r["s"], (r["e"], r["i"]))
+            assert seen == (r["e"], r["i"]), f"replicas disagree on step {r['s']}"
+    counted: Counter[tuple[int, int]] = Counter()
+    for epoch, indices in by_step.values():
+        counted.update((epoch, i) for i in indices)
+    return counted
+
+
+def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
+    api: httpx.Client,  # noqa: F811
+    pool: ClusterPool,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    steps = 160
+    # The reference: the same job uninterrupted, in restart mode (classic DDP).
+    reference_spec = in_place_job(steps)
+    del reference_spec["fault_tolerance"]
+    reference = api.post("/v1/jobs", json=reference_spec).json()
+    assert finish(api, reference["id"])["state"] == "succeeded"
+
+    job = api.post("/v1/jobs", json=in_place_job(steps)).json()
+    assert "id" in job, job
+    wait_until(
+        api,
+        job["id"],
+        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
+        240,
+        "training at 3 replicas",
+    )
+    pool.kill_node(pool.pool[1])
+    wait_until(api, job["id"], lambda j: j["world_size"] == 2 and j["step"] >= 40, 60, "2 replicas")
+    pool.add_node()
+    done = finish(api, job["id"])
+    assert done["state"] == "succeeded" and done["step"] == steps, done
+
+    # No restart: one attempt, the survivors never left it.
+    assert len(events(api, job["id"], "attempt_started")) == 1
+    (lost_event,) = events(api, job["id"], "worker_lost")
+    lost = lost_event["data"]
+    print("in place, node loss:", lost)
+    assert (lost["from_world"], lost["to_world"]) == (3, 2)
+    assert lost["steps_redone"] <= 1
+    assert lost["pause_seconds"] < 1.0
+    # At the start the first replica up forms the quorum alone and the others join it as
+    # they come up; after the loss, the node added back joins once.
+    joined = [e["data"] for e in events(api, job["id"], "joined") if e["seq"] > lost_event["seq"]]
+    print("in place, join:", joined)
+    assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)]
+    assert joined[0]["pause_seconds"] < 1.0
+
+    # Every sample of every epoch went into the model exactly once.
+    counted = committed_samples(tmp_path / "checkpoints" / job["id"])
+    assert set(counted.values()) == {1}
+    for epoch in range(steps // 16):
+        assert {i for e, i in counted if e == epoch} == set(range(DATASET))
+    assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+
+    # Float64: parameters and momentum buffers equal the uninterrupted run's.
+    root = tmp_path / "checkpoints"
+    ours, theirs = final_state(api, job["id"], root), final_state(api, reference["id"], root)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert tensor.dtype == torch.float64
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)

@@ -1,0 +1,79 @@
+"""The arithmetic of an in-place step: shares of the global batch over a quorum, the loss
+weight that makes the all-reduced sum the exact mean, and what a quorum change cost."""
+
+import numpy as np
+import pytest
+
+from elastic.in_place.steps import (
+    Timeline,
+    loss_weight,
+    participant_indices,
+    step_positions,
+)
+from elastic.sampling import SamplerPosition, epoch_permutation
+
+
+@pytest.mark.parametrize("participants", [1, 2, 3])
+def test_the_participants_split_exactly_the_steps_positions(participants: int) -> None:
+    perm = epoch_permutation(1000, seed=7, epoch=0)
+    position = SamplerPosition(0, 63 * 4)  # step 5 of the epoch
+    parts = [
+        participant_indices(perm, position, 1000, 63, participants, r) for r in range(participants)
+    ]
+    assert all(batch == 63 for _, batch in parts)
+    together = [i for indices, _ in parts for i in indices]
+    assert together == [int(i) for i in perm[252:315]]
+    sizes = [len(indices) for indices, _ in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_the_last_step_of_an_epoch_is_short_and_still_split_whole() -> None:
+    perm = epoch_permutation(1000, seed=7, epoch=2)
+    position = SamplerPosition(2, 945)
+    assert step_positions(position, 1000, 63) == range(945, 1000)
+    parts = [participant_indices(perm, position, 1000, 63, 2, r) for r in range(2)]
+    assert [batch for _, batch in parts] == [55, 55]
+    assert [len(i) for i, _ in parts] == [28, 27]
+    assert parts[0][0] + parts[1][0] == [int(i) for i in perm[945:]]
+
+
+def test_weighted_sums_over_any_split_are_the_global_mean() -> None:
+    losses = np.random.default_rng(0).random(63)
+    for participants in (1, 2, 3):
+        total = 0.0
+        for r in range(participants):
+            base, extra = divmod(63, participants)
+            start = r * base + min(r, extra)
+            end = start + base + (1 if r < extra else 0)
+            total += losses[start:end].sum() * loss_weight(63)
+        assert total == pytest.approx(losses.mean(), rel=1e-12)
+
+
+def test_a_loss_redone_once_is_timed_from_the_first_failure() -> None:
+    t = Timeline()
+    assert t.committed(1, 3, now=10.0) is None
+    assert t.committed(2, 3, now=10.2) is None
+    t.failed(now=10.3)  # the collective of step 3 lost a peer
+    t.failed(now=10.5)  # the first retry did not form a quorum in time either
+    change = t.committed(3, 2, now=10.9)
+    assert change is not None
+    assert (change.kind, change.from_world, change.to_world, change.step) == (
+        "worker_lost",
+        3,
+        2,
+        3,
+    )
+    assert change.steps_redone == 1  # one step, redone whole, however many tries
+    assert change.pause_seconds == pytest.approx(0.7)
+    assert change.recovery_seconds == pytest.approx(0.6)
+    assert t.longest_pause == pytest.approx(0.7)
+
+
+def test_a_join_redoes_nothing_and_the_next_steps_are_quiet() -> None:
+    t = Timeline()
+    t.committed(7, 2, now=1.0)
+    change = t.committed(8, 3, now=1.4)
+    assert change is not None
+    assert (change.kind, change.steps_redone, change.recovery_seconds) == ("joined", 0, None)
+    assert change.pause_seconds == pytest.approx(0.4)
+    assert t.committed(9, 3, now=1.5) is None
