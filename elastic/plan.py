@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A lost peer must surface as an error in seconds, not after torch's 30-minute default.
+COLLECTIVE_TIMEOUT_S = 30
+
 
 @dataclass
 class SupervisorPlan:
@@ -22,8 +25,7 @@ class SupervisorPlan:
     min_workers_grace_s: float
     actor_name: str
     namespace: str
-    # A lost peer must surface as an error in seconds, not after torch's 30-minute default.
-    collective_timeout_s: int = 30
+    collective_timeout_s: int = COLLECTIVE_TIMEOUT_S
     transitions: dict[str, list[str]] = field(default_factory=dict)
     initial_state: str = "queued"
     # Set when the service re-creates the supervisor of a job whose supervisor died: what the
