@@ -1,275 +1,47 @@
-"""The store: jobs, their event log and checkpoints, through SQLAlchemy 2 (SQLite or PostgreSQL)."""
+"""The store: jobs, their event log and checkpoints, users, tokens, limits and idempotency
+keys, through SQLAlchemy 2 (SQLite or PostgreSQL)."""
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import os
 import secrets
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import (
-    JSON,
-    Boolean,
-    DateTime,
-    Float,
-    ForeignKey,
-    Integer,
-    String,
-    Text,
-    create_engine,
-    delete,
-    event,
-    func,
-    inspect,
-    or_,
-    select,
-)
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.state import TERMINAL_STATES, JobState, check_transition
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-class JobRow(Base):
-    __tablename__ = "jobs"
-
-    # Time-ordered ids: newest first is a descending sort on the key alone.
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128))
-    owner: Mapped[str] = mapped_column(String(128), index=True)
-    workload: Mapped[str] = mapped_column(String(256))
-    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
-    state: Mapped[str] = mapped_column(String(16), index=True)
-    message: Mapped[str | None] = mapped_column(Text, nullable=True)
-    world_size: Mapped[int] = mapped_column(Integer, default=0)
-    step: Mapped[int] = mapped_column(Integer, default=0)
-    total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    last_loss: Mapped[float | None] = mapped_column(Float, nullable=True)
-    samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    restarts: Mapped[int] = mapped_column(Integer, default=0)
-    last_seq: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-
-    @property
-    def min_workers(self) -> int:
-        return int(self.spec["scaling"]["min_workers"])
-
-    @property
-    def max_workers(self) -> int:
-        return int(self.spec["scaling"]["max_workers"])
-
-
-# What a page of the jobs list carries: the table's columns, the spec's worker bounds read in
-# the database, never the whole spec (decoding 50 specs' JSON a page was most of its time).
-SUMMARY_COLUMNS = (
-    JobRow.id,
-    JobRow.name,
-    JobRow.owner,
-    JobRow.workload,
-    JobRow.state,
-    JobRow.message,
-    JobRow.world_size,
-    JobRow.spec["scaling"]["min_workers"].as_integer().label("min_workers"),
-    JobRow.spec["scaling"]["max_workers"].as_integer().label("max_workers"),
-    JobRow.step,
-    JobRow.total_steps,
-    JobRow.last_loss,
-    JobRow.samples_per_s,
-    JobRow.restarts,
-    JobRow.created_at,
-    JobRow.updated_at,
-    JobRow.started_at,
-    JobRow.finished_at,
+from jobs.state import TERMINAL_STATES, JobState
+from service.store.cursor import Page, decode_cursor, encode_cursor
+from service.store.database import make_engine, migrate
+from service.store.fold import fold
+from service.store.models import (
+    LIMIT_COLUMNS,
+    MAX_METRIC_POINTS,
+    METRIC_COLUMNS,
+    PURGED_KINDS,
+    SUMMARY_COLUMNS,
+    CheckpointRow,
+    EventRow,
+    IdempotencyRow,
+    JobRow,
+    MetricRow,
+    TokenRow,
+    UserLimitRow,
+    UserRow,
+    hash_secret,
+    new_job_id,
+    utcnow,
 )
-
-
-class EventRow(Base):
-    __tablename__ = "job_events"
-
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kind: Mapped[str] = mapped_column(String(32))
-    time: Mapped[float] = mapped_column(Float)
-    data: Mapped[dict[str, Any]] = mapped_column(JSON)
-
-
-class MetricRow(Base):
-    """The metrics events again, as a narrow table: series queries stay cheap on long runs."""
-
-    __tablename__ = "metrics"
-
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
-    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(Integer)
-    time: Mapped[float] = mapped_column(Float)
-    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
-    accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
-    samples_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    learning_rate: Mapped[float | None] = mapped_column(Float, nullable=True)
-    world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
-
-
-# Most points one metrics request returns, whatever it asks: the work of a request is
-# bounded however long the run.
-MAX_METRIC_POINTS = 100_000
-# What retention deletes from a finished job: the series and the log, not its history.
-PURGED_KINDS = ("metrics", "log")
-
-METRIC_COLUMNS = (
-    "step",
-    "time",
-    "loss",
-    "accuracy",
-    "samples_per_s",
-    "learning_rate",
-    "world_size",
-)
-
-
-class CheckpointRow(Base):
-    __tablename__ = "checkpoints"
-
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
-    step: Mapped[int] = mapped_column(Integer, primary_key=True)
-    path: Mapped[str] = mapped_column(Text)
-    size_bytes: Mapped[int] = mapped_column(Integer)
-    created_at: Mapped[float] = mapped_column(Float)
-    removed: Mapped[bool] = mapped_column(Boolean, default=False)
-
-
-class UserRow(Base):
-    __tablename__ = "users"
-
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    role: Mapped[str] = mapped_column(String(16))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-class TokenRow(Base):
-    """An API token. Only the SHA-256 of its secret is kept: the secret is shown once."""
-
-    __tablename__ = "api_tokens"
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    user: Mapped[str] = mapped_column(ForeignKey("users.name"), index=True)
-    label: Mapped[str] = mapped_column(String(128))
-    secret_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-
-
-class UserLimitRow(Base):
-    """An admin's limits for one user; a None column means the service's default."""
-
-    __tablename__ = "user_limits"
-
-    user: Mapped[str] = mapped_column(ForeignKey("users.name"), primary_key=True)
-    max_active_jobs: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    max_workers: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    max_cpus: Mapped[float | None] = mapped_column(Float, nullable=True)
-    max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
-    max_wall_time_s: Mapped[float | None] = mapped_column(Float, nullable=True)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-LIMIT_COLUMNS = ("max_active_jobs", "max_workers", "max_cpus", "max_gpus", "max_wall_time_s")
-
-
-class IdempotencyRow(Base):
-    """A submission's Idempotency-Key; ``job_id`` is None while it is being processed."""
-
-    __tablename__ = "idempotency_keys"
-
-    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
-    key: Mapped[str] = mapped_column(String(255), primary_key=True)
-    fingerprint: Mapped[str] = mapped_column(String(64))
-    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), nullable=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-def hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def new_job_id() -> str:
-    return f"job-{time.time_ns() // 1_000_000:012x}{secrets.token_hex(4)}"
-
-
-@dataclass(frozen=True)
-class Page:
-    # Rows of SUMMARY_COLUMNS (attribute access, as a JobRow), without the spec.
-    items: list[Any]
-    next_cursor: str | None
-
-
-def encode_cursor(job_id: str) -> str:
-    return base64.urlsafe_b64encode(job_id.encode()).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> str:
-    try:
-        value = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-    except ValueError as e:
-        raise ValueError("cursor is not one this service gave out") from e
-    if not value.startswith("job-"):
-        raise ValueError("cursor is not one this service gave out")
-    return value
-
-
-class SchemaTooNew(RuntimeError):
-    """The database was migrated by a newer elastic-train than this one."""
-
-
-MIGRATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "migrations")
-
-
-def migrate(engine: Engine) -> None:
-    """Bring the schema to this version's head with Alembic; refuse a newer one."""
-    from alembic import command
-    from alembic.config import Config
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
-    config = Config()
-    config.set_main_option("script_location", MIGRATIONS)
-    scripts = ScriptDirectory.from_config(config)
-    with engine.begin() as conn:
-        current = MigrationContext.configure(conn).get_current_revision()
-        if current is not None and current not in {s.revision for s in scripts.walk_revisions()}:
-            raise SchemaTooNew(
-                f"the database at {engine.url.render_as_string(hide_password=True)} has schema "
-                f"revision {current!r}, newer than this elastic-train knows (its newest is "
-                f"{scripts.get_current_head()!r}); upgrade elastic-train or use another database"
-            )
-        config.attributes["connection"] = conn
-        if current is None and inspect(conn).has_table("jobs"):
-            # Made by the walking skeleton's create_all, before migrations existed.
-            command.stamp(config, "0001")
-        command.upgrade(config, "head")
 
 
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.engine: Engine = _make_engine(url)
+        self.engine: Engine = make_engine(url)
         migrate(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
@@ -596,7 +368,7 @@ class Store:
                         data=ev["data"],
                     )
                 )
-                _fold(s, job, ev)
+                fold(s, job, ev)
                 job.last_seq = ev["seq"]
             job.updated_at = utcnow()
             return job
@@ -625,111 +397,3 @@ def _limits_of(row: UserLimitRow | None) -> dict[str, Any]:
     if row is None:
         return {}
     return {name: getattr(row, name) for name in LIMIT_COLUMNS if getattr(row, name) is not None}
-
-
-def job_relative(path: str, job_id: str) -> str:
-    """A checkpoint's path as the API shows it: relative to the job's checkpoint
-    directory, which says nothing of where the service keeps its files."""
-    marker = f"/{job_id}/"
-    at = path.rfind(marker)
-    if at >= 0:
-        return path[at + len(marker) :]
-    return os.path.basename(path.rstrip("/"))
-
-
-PATH_EVENTS = ("checkpoint_saved", "checkpoint_removed", "checkpoint_corrupt")
-
-
-def with_relative_paths(job_id: str, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The events with each checkpoint path made relative to the job (see job_relative)."""
-    out = []
-    for ev in events:
-        if ev["kind"] in PATH_EVENTS and isinstance(ev["data"].get("path"), str):
-            ev = {**ev, "data": {**ev["data"], "path": job_relative(ev["data"]["path"], job_id)}}
-        out.append(ev)
-    return out
-
-
-def event_dict(row: EventRow) -> dict[str, Any]:
-    return {"seq": row.seq, "kind": row.kind, "time": row.time, "data": row.data}
-
-
-def _fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
-    """What one event changes in the job's summary row and the checkpoint table."""
-    data, kind = ev["data"], ev["kind"]
-    when = datetime.fromtimestamp(ev["time"], UTC)
-    if kind == "state":
-        target = check_transition(JobState(job.state), JobState(data["state"]))
-        job.state = target.value
-        if data.get("reason") or target.is_terminal:
-            job.message = data.get("reason")
-        if data.get("world_size"):
-            job.world_size = int(data["world_size"])
-        if target == JobState.RUNNING and job.started_at is None:
-            job.started_at = when
-        if target == JobState.RECOVERING:
-            job.restarts += 1
-        if target.is_terminal:
-            job.finished_at = when
-            job.world_size = 0
-    elif kind == "attempt_started":
-        job.world_size = int(data["world_size"])
-    elif kind == "metrics":
-        s.add(
-            MetricRow(
-                job_id=job.id,
-                seq=ev["seq"],
-                step=int(data["step"]),
-                time=ev["time"],
-                loss=data.get("loss"),
-                accuracy=data.get("accuracy"),
-                samples_per_s=data.get("samples_per_s"),
-                learning_rate=data.get("learning_rate"),
-                world_size=data.get("world_size"),
-            )
-        )
-        job.step = int(data["step"])
-        job.last_loss = data.get("loss")
-        job.samples_per_s = data.get("samples_per_s")
-        job.total_steps = data.get("total_steps", job.total_steps)
-        job.world_size = int(data.get("world_size") or job.world_size)
-    elif kind == "checkpoint_saved":
-        row = s.get(CheckpointRow, (job.id, int(data["step"])))
-        if row is None:
-            row = CheckpointRow(job_id=job.id, step=int(data["step"]))
-            s.add(row)
-        row.path, row.size_bytes = data["path"], int(data["size_bytes"])
-        row.created_at, row.removed = float(data["created_at"]), False
-    elif kind == "checkpoint_removed":
-        row = s.get(CheckpointRow, (job.id, int(data["step"])))
-        if row is not None:
-            row.removed = True
-
-
-# As many connections kept open as requests run at once (FastAPI's 40 threads for plain
-# routes, the event loop's executor for the rest): SQLAlchemy's default of 5 made 50
-# concurrent clients queue for a connection, and each overflow connection was opened (with
-# its PRAGMAs) and closed again per request (a profile under bench/api_load.py showed both).
-POOL: dict[str, Any] = {"pool_size": 40, "max_overflow": 24, "pool_timeout": 30}
-
-
-def _make_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        engine = create_engine(
-            url, connect_args={"check_same_thread": False, "timeout": 30}, **POOL
-        )
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            cur = dbapi_conn.cursor()
-            # WAL: readers never wait for the event writer; foreign keys: SQLite needs asking.
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA synchronous=NORMAL")
-            cur.close()
-
-        return engine
-    return create_engine(url, pool_pre_ping=True, **POOL)
