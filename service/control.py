@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -19,6 +21,12 @@ from jobs.spec import JobSpec
 from jobs.state import JobState
 from jobs.workloads.data_paths import DataAccess, PathRefused
 from service import quotas
+from service.errors import (
+    IdempotencyKeyReused,
+    JobAlreadyEnded,
+    JobNotFound,
+    SubmissionInProgress,
+)
 from service.problems import Problem
 from service.quotas import Usage, UserLimits
 from service.schemas import JobOut
@@ -40,6 +48,9 @@ PURGE_EVERY_S = 600.0
 ANNOUNCED = ("state", "resized")
 # How long the launcher waits for a new supervisor to answer before it starts the next one.
 LAUNCH_READY_TIMEOUT_S = 30.0
+# A key reserved this long without a job belongs to a submission that died with the
+# process (a real one takes seconds): a retry may take it over.
+IDEMPOTENCY_STALE_S = 120.0
 
 
 class JobControl:
@@ -133,6 +144,33 @@ class JobControl:
                 limit="node_memory",
             )
 
+    async def submit_once(
+        self, spec: JobSpec, owner: str, idempotency_key: str | None
+    ) -> tuple[JobRow, bool]:
+        """(the job, whether it is a replay): with ``idempotency_key``, a retry with the same
+        key and spec gets the job the first submission made, not a second one."""
+        if idempotency_key is None:
+            return await self.submit(spec, owner), False
+        fingerprint = _fingerprint(spec)
+        held = await asyncio.to_thread(
+            self.store.claim_idempotency_key,
+            owner,
+            idempotency_key,
+            fingerprint,
+            IDEMPOTENCY_STALE_S,
+        )
+        if held is not None:
+            if held.fingerprint != fingerprint:
+                raise IdempotencyKeyReused(idempotency_key)
+            if held.job_id is None:
+                raise SubmissionInProgress(idempotency_key)
+            return await asyncio.to_thread(self._get, held.job_id), True
+        try:
+            return await self.submit(spec, owner, idempotency_key), False
+        except BaseException:
+            await asyncio.to_thread(self.store.release_idempotency_key, owner, idempotency_key)
+            raise
+
     async def submit(self, spec: JobSpec, owner: str, idempotency_key: str | None = None) -> JobRow:
         # One admission at a time per user: two submissions cannot both take the last slot.
         async with self._admission.setdefault(owner, asyncio.Lock()):
@@ -157,7 +195,7 @@ class JobControl:
         async with self._job_lock(job_id):
             job = await asyncio.to_thread(self._get, job_id)
             if JobState(job.state).is_terminal:
-                raise Problem(409, "Job already ended", f"the job is {job.state}", state=job.state)
+                raise JobAlreadyEnded(job.state)
             handle = self._handles.get(job_id) or await asyncio.to_thread(
                 launcher.find_supervisor, job_id, self.settings.ray_namespace
             )
@@ -224,7 +262,7 @@ class JobControl:
                 f"wall-time limit: the job ran {ran:.0f} s, over {job.owner}'s "
                 f"max_wall_time_s of {limit:g} s"
             )
-            with contextlib.suppress(Problem):  # it ended meanwhile
+            with contextlib.suppress(JobAlreadyEnded):  # it ended meanwhile
                 await self.cancel(job.id, reason)
 
     def _purge_every_s(self) -> float:
@@ -397,8 +435,14 @@ class JobControl:
     def _get(self, job_id: str) -> JobRow:
         job = self.store.get_job(job_id)
         if job is None:
-            raise Problem(404, "Not found", f"no job {job_id!r}")
+            raise JobNotFound(job_id)
         return job
+
+
+def _fingerprint(spec: JobSpec) -> str:
+    return hashlib.sha256(
+        json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
+    ).hexdigest()
 
 
 def _invalid(field: str, message: str, **extensions: Any) -> Problem:
