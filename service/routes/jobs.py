@@ -36,8 +36,10 @@ from service.schemas import (
     LogPage,
     Me,
     MetricSeries,
+    event_json,
+    iso_time,
 )
-from service.store import JobRow, Store
+from service.store import JobRow, Store, event_dict
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=PROBLEM_RESPONSES)
 
@@ -240,7 +242,10 @@ async def list_events(
         return _job_stream(request, services, caller, job_id, after, kinds)
     events = await asyncio.to_thread(store.events, job_id, after, limit, kinds)
     return EventPage.model_validate(
-        {"items": events, "next_after": events[-1].seq if events else after}
+        {
+            "items": [event_json(event_dict(e)) for e in events],
+            "next_after": events[-1].seq if events else after,
+        }
     )
 
 
@@ -260,7 +265,10 @@ def get_metrics(
     if every is not None and points is not None:
         raise Problem(400, "Invalid request", "every, points: give one of them, not both")
     total, columns = store.metrics(job_id, every=every, points=points)
-    return MetricSeries(total_points=total, columns=columns)
+    times = columns["time"]
+    return MetricSeries(
+        total_points=total, columns={**columns, "time": [iso_time(t) for t in times]}
+    )
 
 
 @router.get(
