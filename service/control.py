@@ -186,7 +186,7 @@ class JobControl:
         self._announce("created", job)
         # The job is stored: it is launched even if this process dies now (the pump
         # launches every queued job it finds without a supervisor).
-        self._request_launch(job.id)
+        self.request_launch(job.id)
         return job
 
     async def cancel(self, job_id: str, reason: str = "cancelled by the user") -> JobRow:
@@ -314,7 +314,9 @@ class JobControl:
     def _job_lock(self, job_id: str) -> asyncio.Lock:
         return self._locks.setdefault(job_id, asyncio.Lock())
 
-    def _request_launch(self, job_id: str) -> None:
+    def request_launch(self, job_id: str) -> None:
+        """Start the stored, queued job's supervisor in the background (once, however often
+        asked); a launch that fails fails the job, with the reason in its event log."""
         if job_id not in self._to_launch:
             self._to_launch.add(job_id)
             self._launches.put_nowait(job_id)
@@ -372,7 +374,7 @@ class JobControl:
         if job.state == JobState.QUEUED.value:
             # Submitted, not launched yet: waiting for the launcher, or stored by a process
             # that stopped before it launched it.
-            self._request_launch(job.id)
+            self.request_launch(job.id)
             return
         first = self._missing_since.setdefault(job.id, time.monotonic())
         if time.monotonic() - first < MISSING_GRACE_S:
