@@ -37,5 +37,5 @@ def test_a_page_and_a_stream_write_the_same_time() -> None:
         streamed = event_json({"seq": 1, "kind": "state", "time": t, "data": {}})
         paged = EventOut.model_validate(streamed).model_dump(mode="json")
         assert paged == streamed
-        line = LogLine(seq=1, rank=0, attempt=1, time=t, stream="stdout", line="x")  # type: ignore[arg-type]
+        line = LogLine(seq=1, rank=0, attempt=1, time=t, stream="stdout", line="x")
         assert line.model_dump(mode="json")["time"] == streamed["time"]
