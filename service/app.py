@@ -45,8 +45,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(NulInPath)
     app.add_middleware(metrics.HttpMetrics, metrics=services.metrics)  # outermost: sees all
-    for router in (jobs.router, users.router, cluster.router, metrics.router, health.router):
+    for router in (jobs.router, users.router, cluster.router, metrics.router):
         app.include_router(router)
+    health.install(app)
     # Swagger UI from the PyPI package's files: /docs works with no internet.
     app.mount("/docs-assets", StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
     # Last: its / and /ui routes must not shadow the ones above.
