@@ -246,7 +246,7 @@ def test_logs_come_back_as_the_api_has_them(live: LiveServer) -> None:
         assert job.refresh().state == JobState.SUCCEEDED
 
         stored = api_get(live, f"/v1/jobs/{job.id}/logs", limit=5000)["items"]
-        assert [line.model_dump() for line in job.logs()] == stored
+        assert [line.model_dump(mode="json") for line in job.logs()] == stored
         assert followed == list(job.logs())
         rank_1 = list(job.logs(rank=1))
         assert rank_1 == [line for line in followed if line.rank == 1]
