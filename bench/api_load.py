@@ -125,7 +125,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def load(
-    base: str, ids: list[str], plan: list[str], clients: int, rate: float
+    base: str,
+    ids: list[str],
+    plan: list[str],
+    clients: int,
+    rate: float,
+    trace: list[tuple[float, str, float]] | None = None,
 ) -> dict[str, tuple[list[float], int]]:
     """``clients`` clients, each sending ``rate`` requests a second on its own schedule (open
     loop: a slow answer does not delay its next request, as a dashboard's timer does not),
@@ -151,6 +156,8 @@ async def load(
         except httpx.HTTPError:
             ok = False
         elapsed = time.perf_counter() - start
+        if trace is not None:
+            trace.append((start, kind, elapsed))
         latencies, errors = results[kind]
         latencies.append(elapsed)
         results[kind] = (latencies, errors + (not ok))
@@ -198,6 +205,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=3000, help="GET /v1/jobs?limit=50")
     parser.add_argument("--submits", type=int, default=300, help="POST /v1/jobs")
     parser.add_argument("--port", type=int, default=8766)
+    parser.add_argument("--trace", type=Path, help="write each request's start, kind, ms")
     parser.add_argument("--hold", action="store_true", help="keep serving after (profiling)")
     args = parser.parse_args()
 
@@ -232,7 +240,12 @@ def main() -> None:
             plan = ["get"] * args.reads + ["list"] * args.pages + ["submit"] * args.submits
             random.Random(0).shuffle(plan)
             ran_at = time.perf_counter()
-            results = asyncio.run(load(base, ids, plan, args.clients, args.rate))
+            trace: list[tuple[float, str, float]] = []
+            results = asyncio.run(load(base, ids, plan, args.clients, args.rate, trace))
+            if args.trace is not None:
+                args.trace.write_text(
+                    "".join(f"{t - ran_at:.3f} {k} {ms * 1000:.1f}\n" for t, k, ms in trace)
+                )
             ran_s = time.perf_counter() - ran_at
             if args.hold:
                 input("serving; press Enter to stop ")

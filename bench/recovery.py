@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +202,13 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
     def progress() -> list[Step]:
         items = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
         return [
-            (e["time"], 0, e["data"]["step"], "", str(e["data"]["attempt"]))
+            (
+                datetime.fromisoformat(e["time"]).timestamp(),
+                0,
+                e["data"]["step"],
+                "",
+                str(e["data"]["attempt"]),
+            )
             for e in items
             if e["kind"] == "metrics"
         ]

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,7 @@ def run_service(client: Any, model_name: str, world: int) -> dict[str, float]:
     events = client.get(
         f"/v1/jobs/{job['id']}/events", params={"kind": "metrics", "limit": 5000}
     ).json()["items"]
-    at = {e["data"]["step"]: e["time"] for e in events}
+    at = {e["data"]["step"]: datetime.fromisoformat(e["time"]).timestamp() for e in events}
     return {
         "first_step_s": at[1] - submitted,
         "samples_per_s": (steps - WARM) * PER_WORKER_BATCH * world / (at[steps] - at[WARM]),

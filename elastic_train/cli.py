@@ -300,9 +300,7 @@ def checkpoints(job_id: str, as_json: bool) -> None:
     for column in ("STEP", "SIZE", "SAVED", "PATH"):
         table.add_column(column, no_wrap=column != "PATH", overflow="fold")
     for c in found:
-        table.add_row(
-            *_cells(str(c.step), size(c.size_bytes), clock(c.created_at.timestamp()), c.path)
-        )
+        table.add_row(*_cells(str(c.step), size(c.size_bytes), clock(c.created_at), c.path))
     _console().print(table)
 
 

@@ -46,11 +46,12 @@ class JobInfo(_Answer):
 
 
 class Event(_Answer):
-    """One entry of a job's event log: ``seq`` is dense from 1, ``time`` Unix seconds."""
+    """One entry of a job's event log: ``seq`` is dense from 1, ``time`` when it happened
+    (UTC)."""
 
     seq: int
     kind: str
-    time: float
+    time: datetime
     data: dict[str, Any]
 
     @property
@@ -75,14 +76,15 @@ class LogLine(_Answer):
     seq: int
     rank: int
     attempt: int
-    time: float
+    time: datetime
     stream: str
     line: str
 
 
 class MetricSeries(_Answer):
     total_points: int
-    columns: dict[str, list[float | int | None]]
+    # ``time`` holds ISO 8601 strings, the other columns numbers.
+    columns: dict[str, list[float | int | str | None]]
 
 
 class Limits(_Answer):
@@ -102,14 +104,15 @@ class Me(_Answer):
 
 
 def log_lines(event: Event) -> list[LogLine]:
-    """The lines one ``log`` event carries (``data.lines`` holds [time, stream, text])."""
+    """The lines one ``log`` event carries (``data.lines`` holds [time, stream, text], the
+    time in ISO 8601)."""
     data = event.data
     return [
         LogLine(
             seq=event.seq,
             rank=int(data["rank"]),
             attempt=int(data["attempt"]),
-            time=float(t),
+            time=datetime.fromisoformat(str(t)),
             stream=str(stream),
             line=str(text),
         )
@@ -118,6 +121,6 @@ def log_lines(event: Event) -> list[LogLine]:
 
 
 def metric_point(event: Event) -> dict[str, Any]:
-    """A ``metrics`` event as one dict: its time (Unix seconds) and what the job reported
+    """A ``metrics`` event as one dict: its time (a datetime, UTC) and what the job reported
     (step, loss, accuracy, samples_per_s, learning_rate, world_size, total_steps, ...)."""
     return {"time": event.time, **event.data}

@@ -27,8 +27,9 @@ def size(n_bytes: int) -> str:
     return f"{value:.1f} TiB"
 
 
-def clock(unix: float) -> str:
-    return datetime.fromtimestamp(unix).strftime("%H:%M:%S")
+def clock(moment: datetime) -> str:
+    """The time of day in the user's own time zone."""
+    return moment.astimezone().strftime("%H:%M:%S")
 
 
 def age(moment: datetime, now: float | None = None) -> str:

@@ -7,27 +7,20 @@ the user ``admin``. Every authenticated request also spends from its token's rat
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
-from service.problems import Problem
 from service.settings import Settings
 
 TOKEN_FILE = "admin-token"
 BOOTSTRAP_ADMIN = "admin"
 BOOTSTRAP_TOKEN_ID = "bootstrap"
 Role = Literal["admin", "user"]
-
-_bearer = HTTPBearer(auto_error=False, description="An API token of this service.")
 
 
 @dataclass(frozen=True)
@@ -83,51 +76,3 @@ class RateLimiter:
                 return 0.0
             self._buckets[key] = (level, now)
             return (1.0 - level) / self.rate
-
-
-def _unauthorized(detail: str, error: str | None = None) -> Problem:
-    challenge = f'Bearer error="{error}"' if error else "Bearer"
-    return Problem(401, "Unauthorized", detail, headers={"WWW-Authenticate": challenge})
-
-
-def authenticate(request: Request, secret: str) -> Caller | None:
-    state = request.app.state
-    if secrets.compare_digest(secret.encode(), state.admin_token.encode()):
-        return Caller(BOOTSTRAP_ADMIN, "admin", BOOTSTRAP_TOKEN_ID)
-    found = state.store.authenticate(secret)
-    if found is None:
-        return None
-    user, token = found
-    return Caller(user.name, "admin" if user.role == "admin" else "user", token.id)
-
-
-def require_token(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Caller:
-    """The caller, for any valid token of any role; 401 without one, 429 over its rate."""
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise _unauthorized("send 'Authorization: Bearer <token>'")
-    caller = authenticate(request, credentials.credentials)
-    if caller is None:
-        raise _unauthorized("the token is not valid", "invalid_token")
-    wait = request.app.state.rate_limiter.wait_needed(caller.token_id)
-    if wait > 0:
-        retry = max(1, math.ceil(wait))
-        raise Problem(
-            429,
-            "Too many requests",
-            f"this token's rate limit is reached; retry in {retry} s",
-            headers={"Retry-After": str(retry)},
-        )
-    return caller
-
-
-def require_admin(caller: Annotated[Caller, Depends(require_token)]) -> Caller:
-    if not caller.is_admin:
-        raise Problem(403, "Forbidden", "only an admin may do this")
-    return caller
-
-
-CallerDep = Annotated[Caller, Depends(require_token)]
-AdminDep = Annotated[Caller, Depends(require_admin)]

@@ -36,13 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     print(admin_token_notice(settings, token, generated), flush=True)
 
     from service.app import create_app
+    from service.deps import services_of
 
     app = create_app(settings)
     # After the graceful shutdown uvicorn re-raises the signal to this handler: a normal
     # exit, so that atexit hooks (an embedded Ray's shutdown) run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # In-flight requests get up to 5 s to finish; live streams are told to end at once.
-    server = GracefulServer(app.state.hub, server_config(app, settings))
+    server = GracefulServer(services_of(app).hub, server_config(app, settings))
     server.run()
     return 0
 

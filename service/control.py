@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -19,6 +21,12 @@ from jobs.spec import JobSpec
 from jobs.state import JobState
 from jobs.workloads.data_paths import DataAccess, PathRefused
 from service import quotas
+from service.errors import (
+    IdempotencyKeyReused,
+    JobAlreadyEnded,
+    JobNotFound,
+    SubmissionInProgress,
+)
 from service.problems import Problem
 from service.quotas import Usage, UserLimits
 from service.schemas import JobOut
@@ -38,6 +46,11 @@ MAX_RECREATIONS = 3
 PURGE_EVERY_S = 600.0
 # Job-level changes that the all-jobs stream carries (besides "created").
 ANNOUNCED = ("state", "resized")
+# How long the launcher waits for a new supervisor to answer before it starts the next one.
+LAUNCH_READY_TIMEOUT_S = 30.0
+# A key reserved this long without a job belongs to a submission that died with the
+# process (a real one takes seconds): a retry may take it over.
+IDEMPOTENCY_STALE_S = 120.0
 
 
 class JobControl:
@@ -50,7 +63,11 @@ class JobControl:
         self._recreated: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._admission: dict[str, asyncio.Lock] = {}
-        self._task: asyncio.Task[None] | None = None
+        # Submissions answer before their supervisor starts: the launcher task starts the
+        # queued ones in order, one at a time (see _launch_queued).
+        self._launches: asyncio.Queue[str] = asyncio.Queue()
+        self._to_launch: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- commands -----------------------------------------------------------------------
 
@@ -127,6 +144,33 @@ class JobControl:
                 limit="node_memory",
             )
 
+    async def submit_once(
+        self, spec: JobSpec, owner: str, idempotency_key: str | None
+    ) -> tuple[JobRow, bool]:
+        """(the job, whether it is a replay): with ``idempotency_key``, a retry with the same
+        key and spec gets the job the first submission made, not a second one."""
+        if idempotency_key is None:
+            return await self.submit(spec, owner), False
+        fingerprint = _fingerprint(spec)
+        held = await asyncio.to_thread(
+            self.store.claim_idempotency_key,
+            owner,
+            idempotency_key,
+            fingerprint,
+            IDEMPOTENCY_STALE_S,
+        )
+        if held is not None:
+            if held.fingerprint != fingerprint:
+                raise IdempotencyKeyReused(idempotency_key)
+            if held.job_id is None:
+                raise SubmissionInProgress(idempotency_key)
+            return await asyncio.to_thread(self._get, held.job_id), True
+        try:
+            return await self.submit(spec, owner, idempotency_key), False
+        except BaseException:
+            await asyncio.to_thread(self.store.release_idempotency_key, owner, idempotency_key)
+            raise
+
     async def submit(self, spec: JobSpec, owner: str, idempotency_key: str | None = None) -> JobRow:
         # One admission at a time per user: two submissions cannot both take the last slot.
         async with self._admission.setdefault(owner, asyncio.Lock()):
@@ -140,42 +184,50 @@ class JobControl:
                 idempotency_key,
             )
         self._announce("created", job)
-        await self._launch(job)
-        return await asyncio.to_thread(self._get, job.id)
+        # The job is stored: it is launched even if this process dies now (the pump
+        # launches every queued job it finds without a supervisor).
+        self.request_launch(job.id)
+        return job
 
     async def cancel(self, job_id: str, reason: str = "cancelled by the user") -> JobRow:
-        job = await asyncio.to_thread(self._get, job_id)
-        if JobState(job.state).is_terminal:
-            raise Problem(409, "Job already ended", f"the job is {job.state}", state=job.state)
-        handle = await asyncio.to_thread(
-            launcher.find_supervisor, job_id, self.settings.ray_namespace
-        )
+        # Under the job's lock: a launch in progress finishes first, so the cancel either
+        # finds its supervisor or leaves nothing for the launcher to start.
+        async with self._job_lock(job_id):
+            job = await asyncio.to_thread(self._get, job_id)
+            if JobState(job.state).is_terminal:
+                raise JobAlreadyEnded(job.state)
+            handle = self._handles.get(job_id) or await asyncio.to_thread(
+                launcher.find_supervisor, job_id, self.settings.ray_namespace
+            )
+            if handle is None:
+                await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
         if handle is not None:
             try:
                 await asyncio.wait_for(handle.cancel.remote(reason), CALL_TIMEOUT_S)
             except launcher.SupervisorGone:
-                handle = None
+                await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
             except TimeoutError:
                 # It does not answer (busy, or on a node being declared dead): end it anyway,
                 # and its attempt with it, so that nothing keeps running for a cancelled job.
                 await asyncio.to_thread(launcher.stop_supervisor, handle)
                 self._handles.pop(job_id, None)
-                handle = None
-        if handle is None:
-            await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
+                await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
         await self.sync(job_id)
         return await asyncio.to_thread(self._get, job_id)
 
     # -- the pump -----------------------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run()), loop.create_task(self._launch_queued())]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        self._tasks = []
 
     async def _run(self) -> None:
         purged_at: float | None = None
@@ -210,7 +262,7 @@ class JobControl:
                 f"wall-time limit: the job ran {ran:.0f} s, over {job.owner}'s "
                 f"max_wall_time_s of {limit:g} s"
             )
-            with contextlib.suppress(Problem):  # it ended meanwhile
+            with contextlib.suppress(JobAlreadyEnded):  # it ended meanwhile
                 await self.cancel(job.id, reason)
 
     def _purge_every_s(self) -> float:
@@ -230,8 +282,7 @@ class JobControl:
 
     async def sync(self, job_id: str) -> None:
         """Bring the store up to date with the job's supervisor."""
-        lock = self._locks.setdefault(job_id, asyncio.Lock())
-        async with lock:
+        async with self._job_lock(job_id):
             job = await asyncio.to_thread(self._get, job_id)
             if JobState(job.state).is_terminal:
                 self._forget(job_id)
@@ -260,7 +311,45 @@ class JobControl:
                 launcher.stop_supervisor(handle)
                 self._forget(job_id)
 
-    async def _launch(self, job: JobRow, resume: launcher.Resume | None = None) -> None:
+    def _job_lock(self, job_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(job_id, asyncio.Lock())
+
+    def request_launch(self, job_id: str) -> None:
+        """Start the stored, queued job's supervisor in the background (once, however often
+        asked); a launch that fails fails the job, with the reason in its event log."""
+        if job_id not in self._to_launch:
+            self._to_launch.add(job_id)
+            self._launches.put_nowait(job_id)
+
+    async def _launch_queued(self) -> None:
+        """Start the supervisors of submitted jobs, oldest first, one at a time, each waited
+        for until it answers. Starting one is a new Ray worker process: a burst of
+        submissions started all at once took every core of a small head node from the API
+        (bench/api_load.py), and a job cancelled while it waits here is never started."""
+        while True:
+            job_id = await self._launches.get()
+            try:
+                async with self._job_lock(job_id):
+                    self._to_launch.discard(job_id)
+                    job = await asyncio.to_thread(self.store.get_job, job_id)
+                    if job is None or job.state != JobState.QUEUED.value:
+                        continue  # cancelled (or launched by a pump tick) meanwhile
+                    if self._handles.get(job_id) is not None:
+                        continue
+                    handle = await self._launch(job)
+                if handle is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(
+                            handle.__ray_ready__.remote(), LAUNCH_READY_TIMEOUT_S
+                        )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("launching %s failed", job_id)
+
+    async def _launch(self, job: JobRow, resume: launcher.Resume | None = None) -> Any | None:
+        """The new supervisor's handle; None when it could not be started, and then the job
+        has failed with the reason in its event log."""
         try:
             spec = JobSpec.model_validate(job.spec)
             handle = await asyncio.to_thread(
@@ -273,16 +362,19 @@ class JobControl:
                 resume,
             )
             self._handles[job.id] = handle
+            return handle
         except Exception as e:
             log.exception("could not launch %s", job.id)
             await self._end_without_supervisor(
                 job.id, JobState.FAILED, f"could not start the job on Ray: {e}"
             )
+            return None
 
     async def _supervisor_missing(self, job: JobRow) -> None:
         if job.state == JobState.QUEUED.value:
-            # Created but never launched (the service stopped in between): launch it now.
-            await self._launch(job)
+            # Submitted, not launched yet: waiting for the launcher, or stored by a process
+            # that stopped before it launched it.
+            self.request_launch(job.id)
             return
         first = self._missing_since.setdefault(job.id, time.monotonic())
         if time.monotonic() - first < MISSING_GRACE_S:
@@ -345,8 +437,14 @@ class JobControl:
     def _get(self, job_id: str) -> JobRow:
         job = self.store.get_job(job_id)
         if job is None:
-            raise Problem(404, "Not found", f"no job {job_id!r}")
+            raise JobNotFound(job_id)
         return job
+
+
+def _fingerprint(spec: JobSpec) -> str:
+    return hashlib.sha256(
+        json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
+    ).hexdigest()
 
 
 def _invalid(field: str, message: str, **extensions: Any) -> Problem:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterable, Iterator
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -35,7 +34,7 @@ from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs.state import TERMINAL_STATES, JobState
-from service.auth import authenticate
+from service.deps import BearerDep, ServicesDep, authenticate, unauthorized
 from service.problems import Problem
 from service.store import JobRow, Store
 
@@ -185,34 +184,18 @@ class HttpMetrics:
         self.metrics.latency.labels(route, method).observe(seconds)
 
 
-_bearer = HTTPBearer(auto_error=False)
-
-
-def require_scraper(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
+def require_scraper(services: ServicesDep, credentials: BearerDep) -> None:
     """An admin token or the scrape token; anyone else gets 401 or 403."""
     if credentials is None or credentials.scheme.lower() != "bearer":
-        raise Problem(
-            401,
-            "Unauthorized",
-            "send 'Authorization: Bearer <token>'",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    scrape = request.app.state.settings.metrics_token
+        raise unauthorized("send 'Authorization: Bearer <token>'")
+    scrape = services.settings.metrics_token
     if scrape is not None and secrets.compare_digest(
         credentials.credentials.encode(), scrape.get_secret_value().encode()
     ):
         return
-    caller = authenticate(request, credentials.credentials)
+    caller = authenticate(services, credentials.credentials)
     if caller is None:
-        raise Problem(
-            401,
-            "Unauthorized",
-            "the token is not valid",
-            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-        )
+        raise unauthorized("the token is not valid", "invalid_token")
     if not caller.is_admin:
         raise Problem(403, "Forbidden", "only an admin or the metrics token may read metrics")
 
@@ -226,6 +209,5 @@ router = APIRouter(tags=["metrics"])
     response_class=Response,
     dependencies=[Depends(require_scraper)],
 )
-def metrics(request: Request) -> Response:
-    body = request.app.state.metrics.exposition()
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+def metrics(services: ServicesDep) -> Response:
+    return Response(services.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

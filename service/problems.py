@@ -13,6 +13,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jobs.validation import describe
+from service.errors import (
+    IdempotencyKeyReused,
+    JobAlreadyEnded,
+    JobNotFound,
+    SubmissionInProgress,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +129,35 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(Problem)
     async def _problem(request: Request, exc: Problem) -> JSONResponse:
         return problem_response(request, exc)
+
+    @app.exception_handler(JobNotFound)
+    async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
+        return problem_response(request, Problem(404, "Not found", str(exc)))
+
+    @app.exception_handler(JobAlreadyEnded)
+    async def _ended(request: Request, exc: JobAlreadyEnded) -> JSONResponse:
+        p = Problem(409, "Job already ended", str(exc), state=exc.state)
+        return problem_response(request, p)
+
+    @app.exception_handler(IdempotencyKeyReused)
+    async def _reused(request: Request, exc: IdempotencyKeyReused) -> JSONResponse:
+        p = Problem(
+            422,
+            "Idempotency-Key reused",
+            "this Idempotency-Key was used with a different request body",
+            errors=[{"field": "Idempotency-Key", "message": "already used with a different body"}],
+        )
+        return problem_response(request, p)
+
+    @app.exception_handler(SubmissionInProgress)
+    async def _in_progress(request: Request, exc: SubmissionInProgress) -> JSONResponse:
+        p = Problem(
+            409,
+            "Request in progress",
+            "a request with this Idempotency-Key is still being processed; retry later",
+            headers={"Retry-After": "1"},
+        )
+        return problem_response(request, p)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

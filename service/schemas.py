@@ -28,6 +28,25 @@ def _from_unix(moment: object) -> object:
 UnixTimestamp = Annotated[datetime, BeforeValidator(_from_unix), AfterValidator(_utc)]
 
 
+def iso_time(unix: float) -> str:
+    """Unix seconds (as workers and supervisors record them) the way the API writes every
+    time: ISO 8601 in UTC, as pydantic writes the jobs' datetimes (``...Z``)."""
+    return datetime.fromtimestamp(unix, UTC).isoformat().replace("+00:00", "Z")
+
+
+def event_json(event: dict[str, Any]) -> dict[str, Any]:
+    """An event (``{seq, kind, time, data}``, times in Unix seconds) as the API shows it,
+    in pages and streams alike: its time, and a log event's line times, in ISO 8601."""
+    out = {**event, "time": iso_time(event["time"])}
+    lines = event["data"].get("lines") if event["kind"] == "log" else None
+    if isinstance(lines, list):
+        out["data"] = {
+            **event["data"],
+            "lines": [[iso_time(t), *rest] for t, *rest in lines],
+        }
+    return out
+
+
 class JobSummary(BaseModel):
     """A job as the jobs list shows it: everything but its spec, and the spec's worker
     bounds (the table's "world size / min..max")."""
@@ -70,7 +89,7 @@ class EventOut(BaseModel):
 
     seq: int
     kind: str
-    time: float
+    time: UnixTimestamp
     data: dict[str, Any]
 
 
@@ -94,15 +113,16 @@ class CheckpointList(BaseModel):
 
 class MetricSeries(BaseModel):
     total_points: int
-    # step, time, loss, accuracy, samples_per_s, learning_rate, world_size: equal lengths
-    columns: dict[str, list[float | int | None]]
+    # step, time, loss, accuracy, samples_per_s, learning_rate, world_size: equal lengths;
+    # time in ISO 8601 UTC, as every time the API answers.
+    columns: dict[str, list[float | int | str | None]]
 
 
 class LogLine(BaseModel):
     seq: int
     rank: int
     attempt: int
-    time: float
+    time: UnixTimestamp
     stream: str
     line: str
 

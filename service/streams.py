@@ -14,6 +14,8 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from service.schemas import event_json
+
 # Asked again, at least every keep-alive interval, whether the stream's token still works.
 StillAllowed = Callable[[], Awaitable[bool]]
 
@@ -160,7 +162,7 @@ def live_item(event: dict[str, Any]) -> dict[str, Any]:
         "seq": event["seq"],
         "kind": event["kind"],
         "terminal": _is_terminal(event),
-        "text": sse_message(event, event["kind"], event["seq"]),
+        "text": sse_message(event_json(event), event["kind"], event["seq"]),
     }
 
 
@@ -237,7 +239,7 @@ async def job_events(
                 event = event_dict(row)
                 last = sub.last_sent = event["seq"]
                 if kinds is None or event["kind"] in kinds:
-                    yield sse_message(event, event["kind"], event["seq"])
+                    yield sse_message(event_json(event), event["kind"], event["seq"])
                 if _is_terminal(event):
                     return
             if len(rows) < BACKLOG_PAGE:

@@ -338,12 +338,13 @@ def seed_finished_run(live: LiveServer, points: int) -> str:
 
     from sqlalchemy import insert
 
+    from service.deps import services_of
     from service.store import JobRow, MetricRow, new_job_id
 
     job_id = new_job_id()
     start = time.time() - points / 100
     at = lambda t: datetime.fromtimestamp(t, UTC)  # noqa: E731
-    with live.app.state.store.session() as s:
+    with services_of(live.app).store.session() as s:
         s.add(
             JobRow(
                 id=job_id,

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,7 @@ def test_logs_come_back_as_the_api_has_them(live: LiveServer) -> None:
         assert job.refresh().state == JobState.SUCCEEDED
 
         stored = api_get(live, f"/v1/jobs/{job.id}/logs", limit=5000)["items"]
-        assert [line.model_dump() for line in job.logs()] == stored
+        assert [line.model_dump(mode="json") for line in job.logs()] == stored
         assert followed == list(job.logs())
         rank_1 = list(job.logs(rank=1))
         assert rank_1 == [line for line in followed if line.rank == 1]
@@ -339,9 +340,9 @@ def test_the_async_client_runs_the_readme_job(live: LiveServer) -> None:
                 "points": points,
                 "final": final,
                 "info": (await job.refresh()).info.model_dump(mode="json"),
-                "events": [e.model_dump() async for e in job.events()],
-                "followed": [e.model_dump() async for e in job.events(follow=True)],
-                "logs": [line.model_dump() async for line in job.logs()],
+                "events": [e.model_dump(mode="json") async for e in job.events()],
+                "followed": [e.model_dump(mode="json") async for e in job.events(follow=True)],
+                "logs": [line.model_dump(mode="json") async for line in job.logs()],
                 "checkpoints": [c.model_dump(mode="json") for c in await job.checkpoints()],
                 "listed": [j.id for j in await client.jobs(state="succeeded")],
                 "again": (await client.job(job.id)).state,
@@ -356,7 +357,7 @@ def test_the_async_client_runs_the_readme_job(live: LiveServer) -> None:
     stored = api_get(live, f"/v1/jobs/{job_id}/events", limit=5000)["items"]
     assert got["events"] == got["followed"] == stored
     assert [p["time"] for p in got["points"]] == [
-        e["time"] for e in stored if e["kind"] == "metrics"
+        datetime.fromisoformat(e["time"]) for e in stored if e["kind"] == "metrics"
     ]
     assert got["logs"] == api_get(live, f"/v1/jobs/{job_id}/logs")["items"]
     assert got["checkpoints"] == api_get(live, f"/v1/jobs/{job_id}/checkpoints")["items"]

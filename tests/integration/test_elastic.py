@@ -8,6 +8,7 @@ import re
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -320,9 +321,10 @@ def test_a_node_loss_is_timed_from_the_failure(api: httpx.Client, pool: ClusterP
     wait_until(api, job["id"], lambda j: j["world_size"] == 2 and j["state"] == "running", 120, "2")
     (shrink,) = [e["data"] for e in events(api, job["id"], "resized")]
     first = min(
-        e["time"]
+        at
         for e in events(api, job["id"], "metrics")
-        if e["data"]["world_size"] == 2 and e["time"] > killed_at
+        if e["data"]["world_size"] == 2
+        and (at := datetime.fromisoformat(e["time"]).timestamp()) > killed_at
     )
     measured = first - killed_at
     api.post(f"/v1/jobs/{job['id']}/cancel")

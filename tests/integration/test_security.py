@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from service.deps import services_of
 from tests.conftest import (
     TOKEN,
     LiveServer,
@@ -339,7 +340,7 @@ def test_a_revoked_token_loses_its_open_streams(secured: LiveServer) -> None:
     assert first.messages[-1]["event"] == "revoked"
     assert not second.ended_within(1)
     # Revoked in the store by someone else (another replica): ended at the next check.
-    secured.app.state.store.revoke_token(tokens["second"]["id"])
+    services_of(secured.app).store.revoke_token(tokens["second"]["id"])
     assert second.ended_within(5)
     assert second.messages[-1]["event"] == "revoked"
 

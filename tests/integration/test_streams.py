@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ def test_a_client_sees_the_job_live_in_order(server: LiveServer) -> None:
     # terminal event was even recorded (a server that held the stream back would fail this).
     timed = zip(arrivals, messages, strict=True)
     first_metrics_at = next(t for t, m in timed if m["event"] == "metrics")
-    assert first_metrics_at < messages[-1]["data"]["time"], (first_metrics_at, messages[-1])
+    ended_at = datetime.fromisoformat(messages[-1]["data"]["time"]).timestamp()
+    assert first_metrics_at < ended_at, (first_metrics_at, messages[-1])
 
     assert [int(m["id"]) for m in messages] == list(range(1, len(messages) + 1))
     assert [m["data"] for m in messages] == full_log(server, job["id"])
@@ -160,7 +162,8 @@ def test_reconnecting_and_an_api_restart_lose_nothing(ray_cluster: Any, tmp_path
     assert received == log
     assert log[-1]["data"]["state"] == "succeeded"
     assert [e["seq"] for e in log] == list(range(1, len(log) + 1))
-    assert any(down_from < e["time"] < down_from + 3 for e in log)  # made while it was down
+    made = [datetime.fromisoformat(e["time"]).timestamp() for e in log]
+    assert any(down_from < t < down_from + 3 for t in made)  # made while it was down
 
 
 @pytest.fixture

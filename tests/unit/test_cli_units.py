@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import tomllib
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +208,7 @@ def test_the_client_variables_are_no_service_setting() -> None:
 
 
 def sse(seq: int, kind: str, **data: Any) -> ServerSentEvent:
-    body = {"seq": seq, "kind": kind, "time": 1.5, "data": data}
+    body = {"seq": seq, "kind": kind, "time": "2026-11-23T10:00:01.5Z", "data": data}
     return ServerSentEvent(event=kind, data=json.dumps(body), id=str(seq))
 
 
@@ -234,10 +235,13 @@ def test_a_filtered_cursor_asks_for_the_state_too_and_stops_at_the_end() -> None
     assert cursor.headers() == {"Last-Event-ID": "3"}
     assert cursor.take(sse(4, "state", state="running")) is None
     assert cursor.last_id == 4
-    log = cursor.take(sse(5, "log", rank=0, attempt=1, lines=[[1.0, "stdout", "hi"]]))
+    line = ["2026-11-23T10:00:01Z", "stdout", "hi"]
+    log = cursor.take(sse(5, "log", rank=0, attempt=1, lines=[line]))
     assert isinstance(log, models.Event)
+    at = datetime(2026, 11, 23, 10, 0, 1, tzinfo=UTC)
+    assert log.time == datetime(2026, 11, 23, 10, 0, 1, 500000, tzinfo=UTC)
     assert models.log_lines(log) == [
-        models.LogLine(seq=5, rank=0, attempt=1, time=1.0, stream="stdout", line="hi")
+        models.LogLine(seq=5, rank=0, attempt=1, time=at, stream="stdout", line="hi")
     ]
     assert cursor.take(sse(6, "state", state="succeeded")) is None
     assert cursor.finished and cursor.last_id == 6
@@ -400,7 +404,6 @@ def test_a_command_loads_no_service_ray_or_torch(tmp_path: Path) -> None:
 
 def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metrics() -> None:
     import io
-    from datetime import UTC, datetime
 
     from rich.console import Console
 

@@ -19,7 +19,9 @@ def test_a_reader_lagging_past_the_limit_is_cut_off_and_others_are_not() -> None
             hub.publish("j", [event(seq)])
             item = await fast.next(1)
             assert item is not None and item["seq"] == seq
-            assert item["text"] == sse_message(event(seq), "metrics", seq)
+            # As the API writes every time: ISO 8601 UTC, not the Unix seconds stored.
+            sent = {**event(seq), "time": "1970-01-01T00:00:00Z"}
+            assert item["text"] == sse_message(sent, "metrics", seq)
             fast.last_sent = seq
         assert not slow.overflowed  # three behind: at the limit, still fine
         hub.publish("j", [event(4)])

@@ -49,6 +49,11 @@ export function toDate(value) {
   return typeof value === "number" ? new Date(value * 1000) : new Date(value);
 }
 
+// The API writes every time in ISO 8601; charts place points by Unix seconds.
+export function unixSeconds(value) {
+  return toDate(value).getTime() / 1000;
+}
+
 export function clock(value) {
   const d = toDate(value);
   if (!d) return "–";

@@ -4,7 +4,7 @@ import { api, ApiError, follow, sleep } from "../api.js";
 import { lineChart } from "../charts.js";
 import {
   bytes, clock, describeEvent, duration, el, jobDuration, number, progress, rate, stateBadge,
-  TERMINAL, worldText,
+  TERMINAL, toDate, unixSeconds, worldText,
 } from "../format.js";
 
 const TIMELINE_KINDS = ["state", "attempt_started", "worker_lost", "resized", "restored",
@@ -130,7 +130,7 @@ export function jobPage(view, { params: [jobId], signal }) {
   // -- charts -------------------------------------------------------------------------
 
   const markers = () => events.filter((e) => MARKER_KINDS.has(e.kind))
-    .map((e) => ({ x: e.time, kind: e.kind, label: describeEvent(e) }));
+    .map((e) => ({ x: unixSeconds(e.time), kind: e.kind, label: describeEvent(e) }));
   charts.loss = lineChart(view.querySelector("#chart-loss"), {
     xTime: false,
     series: [
@@ -162,17 +162,17 @@ export function jobPage(view, { params: [jobId], signal }) {
     const at = steps.map((s) => byStep.get(s));
     charts.loss.update([steps, at.map((i) => c.loss[i]), at.map((i) => c.accuracy[i])]);
     // A gap while the job restarted is a gap, not a line: a null at each later attempt.
-    const rate = c.time.map((t, i) => [t, c.samples_per_s[i]]);
+    const rate = c.time.map((t, i) => [unixSeconds(t), c.samples_per_s[i]]);
     events.filter((e) => e.kind === "attempt_started" && e.data.attempt > 1)
-      .forEach((e) => rate.push([e.time, null]));
+      .forEach((e) => rate.push([unixSeconds(e.time), null]));
     rate.sort((a, b) => a[0] - b[0]);
     charts.rate.update([rate.map((p) => p[0]), rate.map((p) => p[1])]);
     // World size: what the metrics saw, plus each attempt's start and the job's end.
-    const points = c.time.map((t, i) => [t, c.world_size[i]]);
+    const points = c.time.map((t, i) => [unixSeconds(t), c.world_size[i]]);
     for (const e of events) {
-      if (e.kind === "attempt_started") points.push([e.time, e.data.world_size]);
-      if (e.kind === "worker_lost") points.push([e.time, e.data.from_world]);
-      if (e.kind === "state" && TERMINAL.has(e.data.state)) points.push([e.time, 0]);
+      if (e.kind === "attempt_started") points.push([unixSeconds(e.time), e.data.world_size]);
+      if (e.kind === "worker_lost") points.push([unixSeconds(e.time), e.data.from_world]);
+      if (e.kind === "state" && TERMINAL.has(e.data.state)) points.push([unixSeconds(e.time), 0]);
     }
     points.sort((a, b) => a[0] - b[0]);
     charts.world.update([points.map((p) => p[0]), points.map((p) => p[1])]);
@@ -203,7 +203,7 @@ export function jobPage(view, { params: [jobId], signal }) {
       ? `Newest ${TIMELINE_SHOWN} of ${events.length} events.` : "Newest first.";
     timeline.replaceChildren(...shown.map((e) => el("li", { class: `ev ev-${e.kind}`,
       dataset: { kind: e.kind, seq: e.seq } },
-      el("time", { datetime: new Date(e.time * 1000).toISOString() }, clock(e.time)),
+      el("time", { datetime: toDate(e.time).toISOString() }, clock(e.time)),
       el("span", { class: "kind" }, e.kind.replace("_", " ")),
       el("span", { class: "what" }, describeEvent(e)))));
   }

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 
 from jobs import cluster
-from service.auth import Caller, require_token
+from service.deps import CallerDep, ServicesDep, require_token
 from service.schemas import ClusterJob, ClusterNode, ClusterOut, ClusterWorker
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
@@ -19,11 +18,9 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
     response_model=ClusterOut,
     summary="The Ray nodes with their CPUs/GPUs, and the workers each job holds",
 )
-async def get_cluster(
-    request: Request, caller: Annotated[Caller, Depends(require_token)]
-) -> ClusterOut:
-    store = request.app.state.store
-    namespace = request.app.state.settings.ray_namespace
+async def get_cluster(services: ServicesDep, caller: CallerDep) -> ClusterOut:
+    store = services.store
+    namespace = services.settings.ray_namespace
     nodes, active = await asyncio.gather(
         asyncio.to_thread(cluster.nodes), asyncio.to_thread(store.active_jobs)
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request, status
+from fastapi import APIRouter, Depends, Path, Query, status
 
-from service.auth import require_admin
+from service.deps import Services, ServicesDep, require_admin
 from service.problems import PROBLEM_RESPONSES, Problem
 from service.quotas import UserLimits
 from service.schemas import (
@@ -22,7 +22,6 @@ from service.schemas import (
     UserList,
     UserOut,
 )
-from service.store import Store
 
 router = APIRouter(
     prefix="/v1",
@@ -32,27 +31,22 @@ router = APIRouter(
 )
 
 
-def _store(request: Request) -> Store:
-    store: Store = request.app.state.store
-    return store
-
-
 @router.post(
     "/users",
     status_code=status.HTTP_201_CREATED,
     response_model=UserOut,
     summary="Create a user (admin)",
 )
-async def create_user(body: UserIn, request: Request) -> UserOut:
-    user = await asyncio.to_thread(_store(request).create_user, body.name, body.role)
+async def create_user(body: UserIn, services: ServicesDep) -> UserOut:
+    user = await asyncio.to_thread(services.store.create_user, body.name, body.role)
     if user is None:
         raise Problem(409, "User exists", f"there is already a user {body.name!r}")
     return UserOut.model_validate(user)
 
 
 @router.get("/users", response_model=UserList, summary="All users (admin)")
-async def list_users(request: Request) -> UserList:
-    users = await asyncio.to_thread(_store(request).users)
+async def list_users(services: ServicesDep) -> UserList:
+    users = await asyncio.to_thread(services.store.users)
     return UserList(items=[UserOut.model_validate(u) for u in users])
 
 
@@ -62,8 +56,8 @@ async def list_users(request: Request) -> UserList:
     response_model=TokenCreated,
     summary="Create an API token for a user (admin); the secret is shown once",
 )
-async def create_token(body: TokenIn, request: Request) -> TokenCreated:
-    store = _store(request)
+async def create_token(body: TokenIn, services: ServicesDep) -> TokenCreated:
+    store = services.store
     if await asyncio.to_thread(store.get_user, body.user) is None:
         raise Problem(
             422,
@@ -77,10 +71,10 @@ async def create_token(body: TokenIn, request: Request) -> TokenCreated:
 
 @router.get("/tokens", response_model=TokenList, summary="API tokens, without secrets (admin)")
 async def list_tokens(
-    request: Request,
+    services: ServicesDep,
     user: Annotated[str | None, Query(max_length=64)] = None,
 ) -> TokenList:
-    rows = await asyncio.to_thread(_store(request).tokens, user)
+    rows = await asyncio.to_thread(services.store.tokens, user)
     return TokenList(items=[TokenOut.model_validate(r) for r in rows])
 
 
@@ -89,21 +83,21 @@ async def list_tokens(
     response_model=TokenOut,
     summary="Revoke a token (admin): it stops working at once",
 )
-async def revoke_token(token_id: str, request: Request) -> TokenOut:
-    row = await asyncio.to_thread(_store(request).revoke_token, token_id)
+async def revoke_token(token_id: str, services: ServicesDep) -> TokenOut:
+    row = await asyncio.to_thread(services.store.revoke_token, token_id)
     if row is None:
         raise Problem(404, "Not found", f"no token {token_id!r}")
-    request.app.state.hub.revoke(token_id)  # its live streams end now, not at their next check
+    services.hub.revoke(token_id)  # its live streams end now, not at their next check
     return TokenOut.model_validate(row)
 
 
-def _limits_of(request: Request, name: str, overrides: dict[str, Any]) -> UserLimitsOut:
-    effective = UserLimits.of(request.app.state.settings, overrides)
+def _limits_of(services: Services, name: str, overrides: dict[str, Any]) -> UserLimitsOut:
+    effective = UserLimits.of(services.settings, overrides)
     return UserLimitsOut(user=name, limits=Limits(**effective.as_dict()), set=LimitsIn(**overrides))
 
 
-async def _existing_user(request: Request, name: str) -> None:
-    if await asyncio.to_thread(_store(request).get_user, name) is None:
+async def _existing_user(services: Services, name: str) -> None:
+    if await asyncio.to_thread(services.store.get_user, name) is None:
         raise Problem(404, "Not found", f"no user {name!r}")
 
 
@@ -112,10 +106,12 @@ async def _existing_user(request: Request, name: str) -> None:
     response_model=UserLimitsOut,
     summary="A user's limits (admin): those set for them, and what applies",
 )
-async def get_limits(name: Annotated[str, Path(max_length=64)], request: Request) -> UserLimitsOut:
-    await _existing_user(request, name)
-    overrides = await asyncio.to_thread(_store(request).user_limits, name)
-    return _limits_of(request, name, overrides)
+async def get_limits(
+    name: Annotated[str, Path(max_length=64)], services: ServicesDep
+) -> UserLimitsOut:
+    await _existing_user(services, name)
+    overrides = await asyncio.to_thread(services.store.user_limits, name)
+    return _limits_of(services, name, overrides)
 
 
 @router.put(
@@ -127,10 +123,10 @@ async def get_limits(name: Annotated[str, Path(max_length=64)], request: Request
     "than a total is 422. A job running longer than max_wall_time_s is cancelled.",
 )
 async def set_limits(
-    name: Annotated[str, Path(max_length=64)], body: LimitsIn, request: Request
+    name: Annotated[str, Path(max_length=64)], body: LimitsIn, services: ServicesDep
 ) -> UserLimitsOut:
-    await _existing_user(request, name)
+    await _existing_user(services, name)
     overrides = await asyncio.to_thread(
-        _store(request).set_user_limits, name, body.model_dump(exclude_none=True)
+        services.store.set_user_limits, name, body.model_dump(exclude_none=True)
     )
-    return _limits_of(request, name, overrides)
+    return _limits_of(services, name, overrides)

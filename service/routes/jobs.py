@@ -1,10 +1,9 @@
-"""The REST API under /v1."""
+"""The jobs API under /v1: submit, list, read, cancel, and each job's events, logs,
+metrics and checkpoints; /v1/me and the all-jobs stream."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
@@ -14,8 +13,16 @@ from fastapi.responses import StreamingResponse
 from jobs.spec import JobSpec
 from jobs.state import JobState
 from service import streams
-from service.auth import BOOTSTRAP_TOKEN_ID, Caller, require_token
-from service.control import JobControl
+from service.auth import BOOTSTRAP_TOKEN_ID, Caller
+from service.deps import (
+    CallerDep,
+    ControlDep,
+    Services,
+    ServicesDep,
+    SettingsDep,
+    StoreDep,
+    require_token,
+)
 from service.problems import PROBLEM_RESPONSES, Problem
 from service.quotas import UserLimits
 from service.schemas import (
@@ -29,29 +36,12 @@ from service.schemas import (
     LogPage,
     Me,
     MetricSeries,
+    event_json,
+    iso_time,
 )
-from service.store import JobRow, Store
+from service.store import JobRow, Store, event_dict
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=PROBLEM_RESPONSES)
-
-CallerDep = Annotated[Caller, Depends(require_token)]
-# A key reserved this long without a job belongs to a submission that died with the
-# process (a real one takes seconds): a retry may take it over.
-IDEMPOTENCY_STALE_S = 120.0
-
-
-def _control(request: Request) -> JobControl:
-    control: JobControl = request.app.state.control
-    return control
-
-
-def _store(request: Request) -> Store:
-    store: Store = request.app.state.store
-    return store
-
-
-Control = Annotated[JobControl, Depends(_control)]
-StoreDep = Annotated[Store, Depends(_store)]
 
 
 def _job(store: Store, job_id: str, caller: Caller) -> JobRow:
@@ -64,15 +54,9 @@ def _job(store: Store, job_id: str, caller: Caller) -> JobRow:
 
 
 @router.get("/me", response_model=Me, summary="Who the token belongs to, and their limits")
-def me(caller: CallerDep, request: Request, store: StoreDep) -> Me:
-    limits = UserLimits.of(request.app.state.settings, store.user_limits(caller.user))
+def me(caller: CallerDep, settings: SettingsDep, store: StoreDep) -> Me:
+    limits = UserLimits.of(settings, store.user_limits(caller.user))
     return Me(user=caller.user, role=caller.role, limits=Limits(**limits.as_dict()))
-
-
-def _fingerprint(spec: JobSpec) -> str:
-    return hashlib.sha256(
-        json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()
-    ).hexdigest()
 
 
 # The largest event number a query or Last-Event-ID may name: a signed 64-bit integer, what
@@ -92,52 +76,14 @@ MAX_SEQ = 2**63 - 1
 )
 async def submit_job(
     spec: JobSpec,
-    request: Request,
     response: Response,
-    control: Control,
+    control: ControlDep,
     caller: CallerDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> JobOut:
-    store = _store(request)
-    if idempotency_key is not None:
-        fingerprint = _fingerprint(spec)
-        held = await asyncio.to_thread(
-            store.claim_idempotency_key,
-            caller.user,
-            idempotency_key,
-            fingerprint,
-            IDEMPOTENCY_STALE_S,
-        )
-        if held is not None:
-            if held.fingerprint != fingerprint:
-                raise Problem(
-                    422,
-                    "Idempotency-Key reused",
-                    "this Idempotency-Key was used with a different request body",
-                    errors=[
-                        {
-                            "field": "Idempotency-Key",
-                            "message": "already used with a different body",
-                        }
-                    ],
-                )
-            if held.job_id is None:
-                raise Problem(
-                    409,
-                    "Request in progress",
-                    "a request with this Idempotency-Key is still being processed; retry later",
-                    headers={"Retry-After": "1"},
-                )
-            job = await asyncio.to_thread(_job, store, held.job_id, caller)
-            response.status_code = status.HTTP_200_OK
-            response.headers["Location"] = f"/v1/jobs/{job.id}"
-            return JobOut.model_validate(job)
-    try:
-        job = await control.submit(spec, owner=caller.user, idempotency_key=idempotency_key)
-    except BaseException:
-        if idempotency_key is not None:
-            await asyncio.to_thread(store.release_idempotency_key, caller.user, idempotency_key)
-        raise
+    job, replayed = await control.submit_once(spec, caller.user, idempotency_key)
+    if replayed:
+        response.status_code = status.HTTP_200_OK
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     return JobOut.model_validate(job)
 
@@ -165,7 +111,9 @@ def get_job(job_id: str, store: StoreDep, caller: CallerDep) -> JobOut:
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, summary="Cancel a job")
-async def cancel_job(job_id: str, store: StoreDep, control: Control, caller: CallerDep) -> JobOut:
+async def cancel_job(
+    job_id: str, store: StoreDep, control: ControlDep, caller: CallerDep
+) -> JobOut:
     await asyncio.to_thread(_job, store, job_id, caller)
     return JobOut.model_validate(await control.cancel(job_id))
 
@@ -218,10 +166,9 @@ class _TokenStream(StreamingResponse):
             self._release()
 
 
-def _stream_slot(request: Request, caller: Caller) -> Callable[[], None]:
+def _stream_slot(hub: streams.Hub, caller: Caller) -> Callable[[], None]:
     """Take one of the caller's token's stream slots (429 when all are in use); returns
     what gives it back."""
-    hub: streams.Hub = request.app.state.hub
     if not hub.claim_stream(caller.token_id):
         cap = hub.streams_per_token
         raise Problem(
@@ -235,10 +182,9 @@ def _stream_slot(request: Request, caller: Caller) -> Callable[[], None]:
     return lambda: hub.release_stream(caller.token_id)
 
 
-def _token_check(request: Request, caller: Caller) -> streams.StillAllowed | None:
+def _token_check(store: Store, caller: Caller) -> streams.StillAllowed | None:
     if caller.token_id == BOOTSTRAP_TOKEN_ID:
         return None  # the configured admin token lives as long as the process
-    store: Store = request.app.state.store
 
     async def still_allowed() -> bool:
         return await asyncio.to_thread(store.token_active, caller.token_id)
@@ -248,24 +194,24 @@ def _token_check(request: Request, caller: Caller) -> streams.StillAllowed | Non
 
 def _job_stream(
     request: Request,
-    store: Store,
+    services: Services,
     caller: Caller,
     job_id: str,
     after: int,
     kinds: tuple[str, ...] | None,
 ) -> StreamingResponse:
     resume = _resume_point(request, after)
-    release = _stream_slot(request, caller)
+    release = _stream_slot(services.hub, caller)
     return _TokenStream(
         streams.job_events(
-            store,
-            request.app.state.hub,
+            services.store,
+            services.hub,
             job_id,
             resume,
-            request.app.state.settings.sse_keepalive_s,
+            services.settings.sse_keepalive_s,
             kinds,
             caller.token_id,
-            _token_check(request, caller),
+            _token_check(services.store, caller),
         ),
         release,
     )
@@ -283,19 +229,23 @@ def _job_stream(
 async def list_events(
     job_id: str,
     request: Request,
-    store: StoreDep,
+    services: ServicesDep,
     caller: CallerDep,
     after: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
     kind: Annotated[list[Annotated[str, Query(max_length=32)]] | None, Query(max_length=20)] = None,
 ) -> Any:
+    store = services.store
     await asyncio.to_thread(_job, store, job_id, caller)
     kinds = tuple(kind) if kind else None
     if _wants_sse(request):
-        return _job_stream(request, store, caller, job_id, after, kinds)
+        return _job_stream(request, services, caller, job_id, after, kinds)
     events = await asyncio.to_thread(store.events, job_id, after, limit, kinds)
     return EventPage.model_validate(
-        {"items": events, "next_after": events[-1].seq if events else after}
+        {
+            "items": [event_json(event_dict(e)) for e in events],
+            "next_after": events[-1].seq if events else after,
+        }
     )
 
 
@@ -315,7 +265,10 @@ def get_metrics(
     if every is not None and points is not None:
         raise Problem(400, "Invalid request", "every, points: give one of them, not both")
     total, columns = store.metrics(job_id, every=every, points=points)
-    return MetricSeries(total_points=total, columns=columns)
+    times = columns["time"]
+    return MetricSeries(
+        total_points=total, columns={**columns, "time": [iso_time(t) for t in times]}
+    )
 
 
 @router.get(
@@ -328,15 +281,16 @@ def get_metrics(
 async def get_logs(
     job_id: str,
     request: Request,
-    store: StoreDep,
+    services: ServicesDep,
     caller: CallerDep,
     after: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
     limit: Annotated[int, Query(ge=1, le=5000)] = 1000,
     follow: bool = False,
 ) -> Any:
+    store = services.store
     await asyncio.to_thread(_job, store, job_id, caller)
     if follow:
-        return _job_stream(request, store, caller, job_id, after, ("log",))
+        return _job_stream(request, services, caller, job_id, after, ("log",))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
     lines = [
         LogLine(
@@ -361,16 +315,15 @@ async def get_logs(
     "created, state, resized. After a reconnect, reload the job list.",
     responses={200: {"content": {"text/event-stream": {}}}},
 )
-async def all_events(request: Request, caller: CallerDep) -> StreamingResponse:
-    settings = request.app.state.settings
-    release = _stream_slot(request, caller)
+async def all_events(services: ServicesDep, caller: CallerDep) -> StreamingResponse:
+    release = _stream_slot(services.hub, caller)
     return _TokenStream(
         streams.all_jobs(
-            request.app.state.hub,
-            settings.sse_keepalive_s,
+            services.hub,
+            services.settings.sse_keepalive_s,
             lambda job: caller.may_see(job["owner"]),
             caller.token_id,
-            _token_check(request, caller),
+            _token_check(services.store, caller),
         ),
         release,
     )

@@ -1,0 +1,1 @@
+"""The service's HTTP routes, one module per area."""

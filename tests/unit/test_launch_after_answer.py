@@ -1,0 +1,56 @@
+"""A submission's launch happens after the answer: what the background launcher records when
+the launch fails. Ray is never started here, so the launch fails as it does when the
+service cannot reach its cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import ray
+
+from jobs.state import JobState
+from service.control import JobControl
+from service.settings import Settings
+from service.store import Store
+from service.streams import Hub
+from tests.conftest import small_job
+
+
+def test_a_launch_that_fails_is_recorded_on_the_job(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "svc", checkpoint_dir=str(tmp_path / "ckpt"))
+    store = Store(settings.resolved_database_url)
+    spec = small_job()
+    job = store.create_job(spec["name"], "alice", spec["workload"], spec)
+    announced: list[dict[str, object]] = []
+    hub = Hub(16)
+    hub.observe(lambda job_id, events: announced.extend(events))
+
+    async def scenario() -> None:
+        control = JobControl(settings, store, hub)
+        control.start()
+        try:
+            control.request_launch(job.id)
+            control.request_launch(job.id)  # asked twice: still one failure recorded
+            deadline = time.monotonic() + 10
+            while store.get_job(job.id).state == JobState.QUEUED.value:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the launch was never attempted"
+                await asyncio.sleep(0.05)
+        finally:
+            await control.stop()
+
+    asyncio.run(scenario())
+    ended = store.get_job(job.id)
+    assert ended is not None and ended.state == "failed"
+    assert ended.message is not None
+    assert ended.message.startswith("could not start the job on Ray: "), ended.message
+    events = store.events(job.id)
+    assert [(e.seq, e.kind, e.data["state"]) for e in events] == [
+        (1, "state", "queued"),
+        (2, "state", "failed"),
+    ]
+    assert events[1].data["reason"] == ended.message
+    assert [e["seq"] for e in announced] == [2]  # told to live readers once it was stored
+    assert not ray.is_initialized()  # the failure was Ray's absence, nothing started one
+    store.close()
