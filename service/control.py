@@ -287,12 +287,18 @@ class JobControl:
             if JobState(job.state).is_terminal:
                 self._forget(job_id)
                 return
-            handle = self._handles.get(job_id) or await asyncio.to_thread(
-                launcher.find_supervisor, job_id, self.settings.ray_namespace
-            )
+            handle = self._handles.get(job_id)
             if handle is None:
-                await self._supervisor_missing(job)
-                return
+                handle = await asyncio.to_thread(
+                    launcher.find_supervisor, job_id, self.settings.ray_namespace
+                )
+                if handle is None:
+                    await self._supervisor_missing(job)
+                    return
+                # A service killed right after a launch can take the supervisor's `start`
+                # call with it (the call waits in the killed process until the actor is up):
+                # the supervisor would sit idle forever. Starting is idempotent: ask again.
+                handle.start.remote()
             self._handles[job_id] = handle
             self._missing_since.pop(job_id, None)
             try:

@@ -185,17 +185,8 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
             note = wait_for(recreated, timeout=60, what="the vanished job's new supervisor")
             assert note["data"]["checkpoint_step"] == HOLD_AT
             assert client.get(f"/v1/jobs/{vanished}").json()["state"] in {"recovering", "running"}
-            # It wins its node back (the waiting job's supervisor may race it for it; the
-            # test keeps the order) and trains on; cancelled, it gives that node back and the
-            # waiting job starts. (Cancelled while its worker group is still being placed, it
-            # would keep the node until the service's next restart: a known defect, as Ray
-            # Train registers the group's placement group for clean-up only once it started.)
-            wait_for(
-                lambda: client.get(f"/v1/jobs/{vanished}").json()["state"] == "running",
-                timeout=120,
-                interval=0.5,
-                what="the vanished job to run again",
-            )
+            # Cancelled, it gives back its node (whether it had won it again or not): the
+            # waiting job starts.
             assert client.post(f"/v1/jobs/{vanished}/cancel").json()["state"] == "cancelled"
             wait_for(
                 lambda: client.get(f"/v1/jobs/{waiting}").json()["state"] == "running",
