@@ -105,6 +105,33 @@ def actor_alive(actor_id: str) -> bool:
     return bool(info) and info.get("State") not in ("DEAD", None)
 
 
+def remove_orphaned_groups(namespace: str) -> list[str]:
+    """Remove this namespace's placement groups whose creating actor is dead while its Ray
+    job lives. GCS keeps such a group until the job ends (the API process: days), and one is
+    left whenever an attempt is stopped while Ray Train still places its worker group (Ray
+    Train hands the group to its own cleaner only once the group started): the nodes would
+    stay held for nobody. Returns the removed groups' ids."""
+    from ray.core.generated import gcs_pb2
+
+    table_data: Any = gcs_pb2.PlacementGroupTableData  # type: ignore[attr-defined]
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    removed = []
+    for raw in ray_state.state._connect_and_get_accessor().get_placement_group_table():
+        group = table_data.FromString(raw)
+        if (
+            group.ray_namespace == namespace
+            and group.creator_actor_dead
+            and not group.creator_job_dead
+            and not group.is_detached
+            and group.state != table_data.REMOVED
+            and not ray.ActorID(group.creator_actor_id).is_nil()
+        ):
+            remove_placement_group(PlacementGroup(ray.PlacementGroupID(group.placement_group_id)))
+            removed.append(group.placement_group_id.hex())
+    return removed
+
+
 def alive_nodes() -> set[str]:
     return {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
 
@@ -183,6 +210,7 @@ class MembershipWatcher:
             await self._poll()
 
     async def _poll(self) -> None:
+        await asyncio.to_thread(remove_orphaned_groups, ray.get_runtime_context().namespace)
         alive, free = await asyncio.to_thread(lambda: (alive_nodes(), free_per_node()))
         await self._drop_orphan_claims()
         if alive == self.current.alive and free == self.current.free:
