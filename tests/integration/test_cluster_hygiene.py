@@ -36,3 +36,40 @@ def test_is_gone_when_the_next_test_starts(ray_cluster: object) -> None:
     assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"] == 3
     live_groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
     assert live_groups == []
+
+
+def test_a_placement_group_whose_creator_died_is_removed(ray_cluster: object) -> None:
+    """As an attempt stopped while Ray Train places its worker group leaves one: the creator
+    (an actor) is dead, the Ray job (here the test's driver) lives, so GCS keeps the group.
+    The namespace's membership watcher removes it; the driver's own group stays."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from elastic.capacity import RayCapacity
+
+    @ray.remote(num_cpus=0)
+    class Creator:
+        def create(self) -> str:
+            group = placement_group([{"CPU": 1}])
+            ray.get(group.ready())
+            return str(group.id.hex())
+
+    kept = placement_group([{"CPU": 1}])
+    ray.get(kept.ready())
+    creator = Creator.remote()  # type: ignore[attr-defined]
+    orphan = ray.get(creator.create.remote())
+    ray.kill(creator)
+
+    def state(group_id: str) -> str:
+        return str(ray.util.placement_group_table()[group_id]["state"])
+
+    watcher = RayCapacity(ray.get_runtime_context().namespace, "hygiene")
+    wait_for(
+        lambda: (
+            ray.get(watcher._get_watcher().snapshot.remote("hygiene", -1, 0)) is not None
+            and state(orphan) == "REMOVED"
+        ),
+        30,
+        what="the orphaned placement group to be removed",
+    )
+    assert state(kept.id.hex()) == "CREATED"
+    remove_placement_group(kept)
