@@ -210,7 +210,7 @@ def test_a_job_is_watched_live_and_a_cut_stream_resumes_where_it_stopped(
 
         stored = api_get(live, f"/v1/jobs/{job.id}/events", limit=5000)["items"]
         # The cut lost nothing and repeated nothing: the follower has the whole log, in order.
-        assert [e.model_dump() for e in followed] == stored
+        assert [e.model_dump(mode="json") for e in followed] == stored
         assert stored[-1]["data"]["state"] == "succeeded"
         # ... because it came back asking for what came after the last event it had.
         assert cut_at is not None and last_seen_before_cut is not None
@@ -224,8 +224,8 @@ def test_a_job_is_watched_live_and_a_cut_stream_resumes_where_it_stopped(
         assert relay.reconnects_asked >= 1
 
         # What the client returns is what the API returns.
-        assert [e.model_dump() for e in job.events()] == stored
-        assert [e.model_dump() for e in job.events(after=5, kinds=["state"])] == [
+        assert [e.model_dump(mode="json") for e in job.events()] == stored
+        assert [e.model_dump(mode="json") for e in job.events(after=5, kinds=["state"])] == [
             e for e in stored if e["seq"] > 5 and e["kind"] == "state"
         ]
         checkpoints = api_get(live, f"/v1/jobs/{job.id}/checkpoints")["items"]
