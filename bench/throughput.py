@@ -8,12 +8,22 @@ momentum), 64 samples per worker per step, the same number of steps, at 1 and 2 
       ``prepare_data_loader``), on a Ray instance started beforehand;
   (c) the job submitted to ``etrain serve`` (its embedded Ray started beforehand).
 
-Steady-state samples/s is measured from the end of step WARM to the end of the last step.
-Time to first step is from launch to the end of step 1: (a) from starting ``torchrun``,
-(b) from calling ``fit()``, (c) from ``POST /v1/jobs``. Every worker uses one CPU thread
-(Ray's default for one CPU; set for torchrun too so the comparison is fair).
+Like with like: the Ray instance of (b) and the service of (c) are both up for the whole
+run, so every side shares the machine with the same idle processes; each repetition runs
+every case on every side, the sides' order rotating from one repetition to the next, and
+the table gives the median and range over the repetitions.
 
-    .venv/bin/python -m bench.throughput
+Steady-state samples/s is the samples of steps WARM+1..last over the time they took, on the
+clock of the worker of rank 0 on every side: (a) and (b) stamp the end of steps WARM and
+last; (c) sums the windows its loop reports every WARM steps (each measured on the worker,
+from after one report to the next, so its small report all-reduce is left out; the plain
+loops have none). Time to first step is from launch to the end of step 1: (a) from
+starting ``torchrun``, (b) from building the ``TorchTrainer`` (before ``fit()``), (c) from
+``POST /v1/jobs``; (c)'s step 1 is when the service received the step's report (the worker
+does not stamp it), which counts the report's way to the store against us. Every worker
+uses one CPU thread (Ray's default for one CPU; set for torchrun too).
+
+    .venv/bin/python -m bench.throughput --repeat 3
 """
 
 from __future__ import annotations
@@ -147,6 +157,7 @@ def run_ray_train(model_name: str, world: int, out: str, storage: str) -> dict[s
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    # Launched when the trainer is built, before anything is handed to Ray.
     config = {"model": model_name, "steps": STEPS[model_name], "out": out, "launched": time.time()}
     trainer = TorchTrainer(
         ray_train_loop,
@@ -155,7 +166,6 @@ def run_ray_train(model_name: str, world: int, out: str, storage: str) -> dict[s
         scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=f"bench-{model_name}-{world}", storage_path=storage),
     )
-    config["launched"] = time.time()
     trainer.fit()
     return json.loads(Path(out).read_text())
 
@@ -195,11 +205,16 @@ def run_service(client: Any, model_name: str, world: int) -> dict[str, float]:
     events = client.get(
         f"/v1/jobs/{job['id']}/events", params={"kind": "metrics", "limit": 5000}
     ).json()["items"]
-    at = {e["data"]["step"]: datetime.fromisoformat(e["time"]).timestamp() for e in events}
-    return {
-        "first_step_s": at[1] - submitted,
-        "samples_per_s": (steps - WARM) * PER_WORKER_BATCH * world / (at[steps] - at[WARM]),
-    }
+    first = min(
+        datetime.fromisoformat(e["time"]).timestamp() for e in events if e["data"]["step"] == 1
+    )
+    # Each report after step WARM covers the WARM steps before it, timed on the worker.
+    windows = [e["data"] for e in events if e["data"]["step"] > WARM]
+    if sorted(d["step"] for d in windows) != list(range(2 * WARM, steps + 1, WARM)):
+        raise RuntimeError(f"unexpected reports: {[d['step'] for d in windows]}")
+    samples = (steps - WARM) * PER_WORKER_BATCH * world
+    seconds = sum(WARM * PER_WORKER_BATCH * world / d["samples_per_s"] for d in windows)
+    return {"first_step_s": first - submitted, "samples_per_s": samples / seconds}
 
 
 def start_service(data_dir: str, port: int) -> subprocess.Popen[bytes]:
@@ -235,9 +250,18 @@ def start_service(data_dir: str, port: int) -> subprocess.Popen[bytes]:
 # -- the table ------------------------------------------------------------------------------
 
 
+SIDES = {"a": "torchrun", "b": "Ray Train", "c": "elastic-train"}
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    low, mid, high = (fmt.format(v) for v in (min(values), statistics.median(values), max(values)))
+    return f"{mid} ({low}-{high})" if len(values) > 1 else mid
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of every case on every side")
     args = parser.parse_args()
     if args.worker:  # a torchrun worker
         model_name, steps, out, launched = args.worker
@@ -248,20 +272,9 @@ def main() -> None:
     import ray
 
     work = tempfile.mkdtemp(prefix="etrain-throughput-")
-    results: dict[tuple[str, int, str], dict[str, float]] = {}
+    runs: dict[tuple[str, int, str], list[dict[str, float]]] = {}
     cases = [(m, w) for m in STEPS for w in WORLDS]
-    for m, w in cases:
-        results[m, w, "a"] = run_torchrun(m, w, f"{work}/a-{m}-{w}.json")
-        print("torchrun", m, w, results[m, w, "a"], flush=True)
-
     ray.init(address="local", num_cpus=max(WORLDS), include_dashboard=False, log_to_driver=False)
-    try:
-        for m, w in cases:
-            results[m, w, "b"] = run_ray_train(m, w, f"{work}/b-{m}-{w}.json", f"{work}/ray")
-            print("ray train", m, w, results[m, w, "b"], flush=True)
-    finally:
-        ray.shutdown()
-
     server = start_service(f"{work}/service", 8766)
     try:
         with httpx.Client(
@@ -269,32 +282,50 @@ def main() -> None:
             timeout=60,
             headers={"Authorization": f"Bearer {TOKEN}"},
         ) as client:
-            for m, w in cases:
-                results[m, w, "c"] = run_service(client, m, w)
-                print("service", m, w, results[m, w, "c"], flush=True)
+            sides = {
+                "a": lambda m, w, out: run_torchrun(m, w, out),
+                "b": lambda m, w, out: run_ray_train(m, w, out, f"{work}/ray"),
+                "c": lambda m, w, out: run_service(client, m, w),
+            }
+            order = list(sides)
+            for rep in range(args.repeat):
+                for m, w in cases:
+                    for side in order:
+                        out = f"{work}/{side}-{m}-{w}-{rep}.json"
+                        result = sides[side](m, w, out)
+                        runs.setdefault((m, w, side), []).append(result)
+                        print(rep, SIDES[side], m, w, result, flush=True)
+                order = order[1:] + order[:1]  # the next repetition starts with another side
     finally:
         server.terminate()
         server.wait(timeout=60)
+        ray.shutdown()
 
-    print()
+    def values(m: str, w: int, side: str, key: str) -> list[float]:
+        return [r[key] for r in runs[m, w, side]]
+
+    def ratios(m: str, w: int, top: str, bottom: str, key: str) -> list[float]:
+        # Within a repetition: the sides ran back to back on the same machine state.
+        pairs = zip(values(m, w, top, key), values(m, w, bottom, key), strict=True)
+        return [t / b for t, b in pairs]
+
+    print(f"\nmedian (range) of {args.repeat} repetitions, sides rotated\n")
     print(
-        "| model | workers | steps | samples/s torchrun (a) | Ray Train (b) | service (c) "
+        "| model | workers | steps | samples/s (a) torchrun | (b) Ray Train | (c) elastic-train "
         "| (c)/(b) | (c)/(a) | first step s (a) | (b) | (c) | (c)/(b) | (c)/(a) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for m, w in cases:
-        a, b, c = (results[m, w, k] for k in "abc")
-        sa, sb, sc = a["samples_per_s"], b["samples_per_s"], c["samples_per_s"]
-        fa, fb, fc = a["first_step_s"], b["first_step_s"], c["first_step_s"]
+        speed = [_cell(values(m, w, k, "samples_per_s"), "{:.0f}") for k in "abc"]
+        first = [_cell(values(m, w, k, "first_step_s"), "{:.1f}") for k in "abc"]
         print(
-            f"| {m} | {w} | {STEPS[m]} | {sa:.0f} | {sb:.0f} | {sc:.0f} | {sc / sb:.2f} "
-            f"| {sc / sa:.2f} | {fa:.1f} | {fb:.1f} | {fc:.1f} | {fc / fb:.2f} "
-            f"| {fc / fa:.2f} |"
+            f"| {m} | {w} | {STEPS[m]} | {' | '.join(speed)} "
+            f"| {_cell(ratios(m, w, 'c', 'b', 'samples_per_s'), '{:.2f}')} "
+            f"| {_cell(ratios(m, w, 'c', 'a', 'samples_per_s'), '{:.2f}')} "
+            f"| {' | '.join(first)} "
+            f"| {_cell(ratios(m, w, 'c', 'b', 'first_step_s'), '{:.2f}')} "
+            f"| {_cell(ratios(m, w, 'c', 'a', 'first_step_s'), '{:.2f}')} |"
         )
-    ratios = [
-        results[m, w, "c"]["samples_per_s"] / results[m, w, "b"]["samples_per_s"] for m, w in cases
-    ]
-    print(f"\nmedian samples/s (c)/(b): {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
