@@ -326,6 +326,11 @@ class CheckpointManager:
                 "completed_step": self.worker.completed_step,
             },
         )
+        # A line for the job's log (the dashboard's log pane), besides the event.
+        print(
+            f"[elastic-train] checkpoint of step {step} saved ({_size(info.size_bytes)})",
+            flush=True,
+        )
         pruned = self.dir.prune(self.worker.keep, protect=step)
         for bad, why, _ in pruned.set_aside:
             self.worker.emit(
@@ -334,3 +339,7 @@ class CheckpointManager:
         # A checkpoint moved aside is gone from the job's list as a deleted one is.
         for removed in [*(bad for bad, _, _ in pruned.set_aside), *pruned.removed]:
             self.worker.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"

@@ -437,6 +437,13 @@ class TrainContext:
             samples.write(self.step, position.epoch, indices)
             self.position = after
             window_samples += global_batch
+            if batch.ends_epoch and self.rank == 0:
+                # The job's log says where it is, for the dashboard's log pane.
+                print(
+                    f"[elastic-train] epoch {position.epoch} ended at step {self.step} "
+                    f"({self.world_size} worker{'s' if self.world_size > 1 else ''})",
+                    flush=True,
+                )
             if (
                 self.step in (first_step, last_step)
                 or self.step % report_every_steps == 0

@@ -153,7 +153,7 @@ def test_submit_follow_draws_the_bar_to_succeeded(
             header, *rows = running.stdout.splitlines()
             assert header.split() == ["ID", "NAME", "STATE", "STEP", "LOSS", "WORKERS", "AGE"]
             (row,) = [r for r in rows if r.startswith(job_id)]
-            assert re.match(rf"{job_id} +cli bar +running +{HOLD_AT}/50 +[\d.]+ +2 +\d+s", row)
+            assert re.match(rf"{job_id} +cli bar +running +{HOLD_AT}/50 +[\d.]+ +2 +\d+[smhd]", row)
 
             followers = {
                 what: subprocess.Popen(

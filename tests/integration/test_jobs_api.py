@@ -225,6 +225,20 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     for c in checkpoints:
         assert (job_dir / c["path"]).is_dir()
 
+    # The job's log says where the run is: rank 0 writes a line per epoch and per checkpoint
+    # (2048 samples at 64 per step: epoch 0 ends at step 32).
+    logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 5000}).json()["items"]
+    ours = [(e["rank"], e["stream"], e["line"]) for e in logs if "[elastic-train]" in e["line"]]
+    assert ours[0][:2] == (0, "stdout")
+    assert ours[0][2].startswith("[elastic-train] checkpoint of step 10 saved (")
+    assert ours[0][2].endswith(" kB)")  # the small CNN's state: tens of kB
+    saved_lines = [line for _, _, line in ours if " checkpoint of step " in line]
+    assert [int(line.split()[4]) for line in saved_lines] == [10, 20, 30, 40, 50]
+    assert [line for _, _, line in ours if " epoch " in line] == [
+        "[elastic-train] epoch 0 ended at step 32 (2 workers)"
+    ]
+    assert {(rank, stream) for rank, stream, _ in ours} == {(0, "stdout")}
+
     state = torch.load(job_dir / checkpoints[-1]["path"] / "state.pt", weights_only=True)
     assert state["step"] == 50
     model = SmallCNN(num_classes=10)
