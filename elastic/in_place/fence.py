@@ -41,9 +41,9 @@ def read_status(lighthouse: str, timeout_s: float = 1.0) -> str:
 
 
 def _is_replica(pid: int) -> bool:
-    # A recycled pid must not be killed: the process must still be a Ray worker.
+    # A recycled pid must not be killed: the process must still be a replica actor.
     with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-        return b"ray::" in f.read()
+        return f.read().startswith(b"ray::Replica")
     return False
 
 
