@@ -70,10 +70,10 @@ def replica_pids() -> list[int]:
 
 # Fencing removes the wait on a lost peer: a hung replica is killed once the lighthouse drops
 # it (HEARTBEAT_TIMEOUT_MS), a dead node's replica once Ray reports it, and the survivors'
-# all-reduce fails as its sockets close (1.17 s pause for a SIGSTOPped replica here). Still a
+# all-reduce fails as its sockets close (1.0-1.2 s pause for a SIGSTOPped replica here). Still a
 # known defect: a survivor whose all-reduce failed first leaves the step while another
-# survivor waits in the same Gloo ring for its data, until the collective timeout (seen once
-# in two runs after the node kill). That, not the heartbeat, is the honest bound here.
+# survivor waits in the same Gloo ring for its data, until the collective timeout (after
+# the node kill in both of two runs: 30.9 s). That, not the heartbeat, is the honest bound here.
 PAUSE_BOUND_S = COLLECTIVE_TIMEOUT_S + 5
 
 
