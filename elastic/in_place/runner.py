@@ -18,11 +18,15 @@ import ray
 
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
+from elastic.in_place.fence import fence, heartbeats, read_status
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_MS = 1000
+# How often the lighthouse's heartbeats are read for a replica to fence: a hung replica is
+# killed at most this long after the lighthouse dropped it.
+WATCH_INTERVAL_S = 0.1
 # After a replica finished the job, how long the final checkpoint's writer may take.
 FINAL_WRITE_S = 60.0
 
@@ -33,6 +37,29 @@ class InPlaceRunner:
         self.config_for = config_for  # AttemptSpec -> the train-loop config
         self.actors: dict[int, Any] = {}
         self.stopped = asyncio.Event()
+        self.replica_ids: dict[int, str] = {}
+        self.fenced: list[int] = []  # replicas killed because their heartbeats stopped
+
+    async def _fence(self, index: int) -> None:
+        actor = self.actors.get(index)
+        if actor is not None:
+            await asyncio.to_thread(fence, actor)
+
+    async def _watch(self, lighthouse: str, runs: dict[asyncio.Future[Any], int]) -> None:
+        """Fences every replica the lighthouse heard from and then stopped hearing from while
+        its run is in flight: it may be hung inside a collective its peers wait on."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            try:
+                fresh = heartbeats(await asyncio.to_thread(read_status, lighthouse))
+            except Exception:  # the lighthouse is shutting down with the attempt
+                continue
+            running = {index for fut, index in runs.items() if not fut.done()}
+            for index in sorted(running - set(self.fenced)):
+                if fresh.get(self.replica_ids.get(index, "")) is False:
+                    log.warning("replica %d stopped heartbeating: fenced", index)
+                    self.fenced.append(index)
+                    await self._fence(index)
 
     def _lighthouse(self) -> Any:
         from torchft.coordination import LighthouseServer
@@ -54,6 +81,7 @@ class InPlaceRunner:
             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
         ).remote()
         self.actors[index] = actor
+        self.replica_ids[index] = f"{config['_elastic']['supervisor']}-r{index}"
         timeout_s = float(self.plan["collective_timeout_s"])
         return actor.run.remote(config, index, lighthouse, timeout_s, joiner)
 
@@ -72,6 +100,7 @@ class InPlaceRunner:
             ] = next_index
             next_index += 1
         stop = asyncio.ensure_future(self.stopped.wait())
+        watch = asyncio.ensure_future(self._watch(address, runs))
         finished_at: float | None = None
         try:
             while runs:
@@ -84,12 +113,14 @@ class InPlaceRunner:
                     return AttemptOutcome("the final checkpoint's writer did not finish")
                 for fut in done:
                     index = runs.pop(fut)
-                    self.actors.pop(index, None)
                     try:
                         fut.result()
                     except ray.exceptions.RayActorError:
                         # Its node went, or its process died: the others train on; a
-                        # replacement waits for capacity in Ray's queue.
+                        # replacement waits for capacity in Ray's queue. A worker left behind
+                        # by a dead raylet can still hold the survivors' all-reduce: killed.
+                        await self._fence(index)
+                        self.actors.pop(index, None)
                         if not self.stopped.is_set():
                             call = self._place(next_index, config, address, True)
                             runs[asyncio.ensure_future(call)] = next_index
@@ -99,6 +130,8 @@ class InPlaceRunner:
                         if index >= spec.world_size and "no healthy peer" in str(e):
                             continue  # a joiner that came too late never trains alone
                         return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
+                    finally:
+                        self.actors.pop(index, None)
                     # The job is finished: decided here, once, when the replica that wrote the
                     # final checkpoint says so (the others are stopped then).
                     if fut.result() == "finished":
@@ -107,6 +140,7 @@ class InPlaceRunner:
             return AttemptOutcome("every replica was lost")
         finally:
             stop.cancel()
+            watch.cancel()
             self._kill_all()
             for fut in runs:
                 fut.cancel()

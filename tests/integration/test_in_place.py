@@ -5,6 +5,8 @@ restart, and a node added back joins, healed from a peer."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -52,12 +54,35 @@ def committed_samples(job_root: Path) -> Counter[tuple[int, int]]:
     return counted
 
 
+def replica_pids() -> list[int]:
+    """This machine's in-place replica processes (Ray titles them after the actor's task)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::Replica.run"):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return sorted(pids)
+
+
+# Fencing removes the wait on a lost peer: a hung replica is killed once the lighthouse drops
+# it (HEARTBEAT_TIMEOUT_MS), a dead node's replica once Ray reports it, and the survivors'
+# all-reduce fails as its sockets close (1.0-1.2 s pause for a SIGSTOPped replica here). Still a
+# known defect: a survivor whose all-reduce failed first leaves the step while another
+# survivor waits in the same Gloo ring for its data, until the collective timeout (after
+# the node kill in both of two runs: 30.9 s). That, not the heartbeat, is the honest bound here.
+PAUSE_BOUND_S = COLLECTIVE_TIMEOUT_S + 5
+
+
 def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     api: httpx.Client,  # noqa: F811
     pool: ClusterPool,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    steps = 160
+    steps = 240
     # The reference: the same job uninterrupted, in restart mode (classic DDP).
     reference_spec = in_place_job(steps)
     del reference_spec["fault_tolerance"]
@@ -76,27 +101,34 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     pool.kill_node(pool.pool[1])
     wait_until(api, job["id"], lambda j: j["world_size"] == 2 and j["step"] >= 40, 60, "2 replicas")
     pool.add_node()
+    wait_until(api, job["id"], lambda j: j["world_size"] == 3 and j["step"] >= 80, 120, "back")
+    # A hung replica (a stopped process: its sockets stay open, so a peer's all-reduce would
+    # wait out the collective timeout): fenced, and its replacement joins on the freed slot.
+    (hung, *_) = replica_pids()
+    os.kill(hung, signal.SIGSTOP)
+    wait_until(api, job["id"], lambda j: j["world_size"] == 2, 30, "the hung replica dropped")
+    wait_until(api, job["id"], lambda j: j["world_size"] == 3, 120, "its replacement joined")
     done = finish(api, job["id"])
     assert done["state"] == "succeeded" and done["step"] == steps, done
 
     # No restart: one attempt, the survivors never left it.
     assert len(events(api, job["id"], "attempt_started")) == 1
-    (lost_event,) = events(api, job["id"], "worker_lost")
-    lost = lost_event["data"]
-    print("in place, node loss:", lost)
-    assert (lost["from_world"], lost["to_world"]) == (3, 2)
-    assert lost["steps_redone"] <= 1
-    # Usually well under a second (0.67 s in two of three runs here): the killed peer's
-    # connections reset and the survivors' all-reduce fails at once. When the dead peer's
-    # process lingers without resetting them, the survivors wait out the collective timeout
-    # (30 s; a known defect, see docs/architecture.md): that is the bound asserted here.
-    assert lost["pause_seconds"] < COLLECTIVE_TIMEOUT_S + 5
+    lost_events = events(api, job["id"], "worker_lost")
+    losses = [e["data"] for e in lost_events]
+    print("in place, node loss then hung replica:", losses)
+    assert [(x["from_world"], x["to_world"]) for x in losses] == [(3, 2), (3, 2)]
+    assert all(x["steps_redone"] <= 1 for x in losses)
+    # Without fencing the hung replica is never killed (Ray counts a stopped process alive):
+    # no replacement is placed and the wait for it above fails.
+    assert all(x["pause_seconds"] < PAUSE_BOUND_S for x in losses), losses
     # At the start the first replica up forms the quorum alone and the others join it as
-    # they come up; after the loss, the node added back joins once.
-    joined = [e["data"] for e in events(api, job["id"], "joined") if e["seq"] > lost_event["seq"]]
-    print("in place, join:", joined)
-    assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)]
-    assert joined[0]["pause_seconds"] < 1.0
+    # they come up; after each loss, one replica joins: the node added back, then the hung
+    # replica's replacement.
+    first_loss = lost_events[0]["seq"]
+    joined = [e["data"] for e in events(api, job["id"], "joined") if e["seq"] > first_loss]
+    print("in place, joins:", joined)
+    assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)] * 2
+    assert all(j["pause_seconds"] < 1.0 for j in joined), joined
 
     # Every sample of every epoch went into the model exactly once.
     counted = committed_samples(tmp_path / "checkpoints" / job["id"])
