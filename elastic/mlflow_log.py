@@ -68,7 +68,7 @@ def for_worker(
     """The MLflow log of this attempt's rank 0, or None when the job has none configured."""
     meta = config.get(CONFIG_KEY)
     uri = os.environ.get(URI_VARIABLE)
-    if not isinstance(meta, dict) or not uri:
+    if not isinstance(meta, dict) or not meta.get("job_id") or not uri:
         return None
     params = flatten(config.get("hyperparameters") or {}, "hyperparameters.")
     params.update(flatten(config.get("distributed") or {}, "distributed."))
