@@ -102,9 +102,13 @@ def test_a_job_logs_one_run_that_a_recreated_supervisor_continues(
     assert run.data.params["etrain.max_workers"] == "2"
 
     loss = client.get_metric_history(run.info.run_id, "train/loss")
-    # Every step the API reports is in the run; the redone steps 11 and 12 are there twice
-    # (MLflow keeps both points), the last one at the job's last step.
-    assert sorted({m.step for m in loss}) == series["step"]
+    # Point for point what the API serves: the redone steps 11 and 12 are there twice in both
+    # (the failed attempt's and the re-created one's), the last at the job's last step.
+    assert sorted(m.step for m in loss) == sorted(series["step"])
+    assert series["step"].count(HOLD_AT) == 2
+    ours = sorted((m.step, m.value) for m in loss)
+    api_points = sorted(zip(series["step"], series["loss"], strict=True))
+    assert [v for _, v in ours] == pytest.approx([v for _, v in api_points], rel=1e-12)
     last = max(loss, key=lambda m: (m.step, m.timestamp))
     assert last.step == STEPS == series["step"][-1]
     assert last.value == pytest.approx(series["loss"][-1], rel=1e-12)
