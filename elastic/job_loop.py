@@ -73,6 +73,7 @@ class JobLoop:
         events: EventLog,
         timing: Timing = Timing(),
         clock: Callable[[], float] = time.time,
+        storage_check: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self.plan = plan
         self.runner = runner
@@ -81,6 +82,9 @@ class JobLoop:
         self.events = events
         self.timing = timing
         self.clock = clock
+        # Why the job's checkpoint location cannot serve it (None: it can), asked once at
+        # start: a location only some nodes see would lose every checkpoint to a restart.
+        self.storage_check = storage_check
         self.state = plan.initial_state
         self.restarts = RestartPolicy(plan.max_restarts)
         self.attempt: Attempt | None = None
@@ -107,6 +111,11 @@ class JobLoop:
             await self._drop_reservation()
 
     async def _start(self) -> Step | None:
+        if self.storage_check is not None:
+            problem = await self.storage_check()
+            if problem is not None:
+                self._set_state("failed", reason=problem)
+                return None
         if self.plan.recreated:
             self._resume_after_supervisor_loss()
         return self._schedule

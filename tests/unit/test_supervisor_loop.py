@@ -184,7 +184,12 @@ def make_plan(**overrides: Any) -> SupervisorPlan:
 
 
 class Harness:
-    def __init__(self, cluster: FakeCluster, **plan: Any) -> None:
+    def __init__(
+        self,
+        cluster: FakeCluster,
+        storage_check: Callable[[], Awaitable[str | None]] | None = None,
+        **plan: Any,
+    ) -> None:
         self.cluster = cluster
         self.clock = Clock()
         self.runner = FakeRunner(cluster)
@@ -199,6 +204,7 @@ class Harness:
             self.log,
             FAST,
             self.clock,
+            storage_check,
         )
         self.task: asyncio.Task[None] | None = None
 
@@ -589,5 +595,40 @@ def test_attempts_that_fail_while_recovering_are_restarts_within_the_limit() -> 
             "rank 0: OSError: disk gone (gave up after 2 restarts; max_restarts is 2)"
         )
         assert len(h.runner.specs) == 3
+
+    run(body)
+
+
+def test_a_checkpoint_location_the_nodes_do_not_share_fails_the_job_before_any_attempt() -> None:
+    async def problem() -> str | None:
+        return "the checkpoint directory /c is not shared by every Ray node"
+
+    async def body() -> None:
+        h = Harness(FakeCluster(2), storage_check=problem)
+        h.start()
+        await h.finish()
+        assert h.loop.state == "failed" and h.runner.specs == []
+        assert h.of("state") == [
+            {
+                "state": "failed",
+                "previous": "queued",
+                "reason": "the checkpoint directory /c is not shared by every Ray node",
+            }
+        ]
+
+    run(body)
+
+
+def test_a_shared_checkpoint_location_lets_the_job_start() -> None:
+    async def fine() -> str | None:
+        return None
+
+    async def body() -> None:
+        h = Harness(FakeCluster(1), storage_check=fine)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.loop.state == "running"
+        h.loop.cancel("done")
+        await h.finish()
 
     run(body)
