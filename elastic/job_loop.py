@@ -433,7 +433,12 @@ class JobLoop:
             self._set_state(
                 "recovering",
                 reason="the job's supervisor was lost; a new one resumes it"
-                + (f" from the checkpoint of step {step}" if step is not None else ""),
+                + (
+                    f" from the checkpoint of step {step}"
+                    if step is not None
+                    else f" from step 0 (no checkpoint was saved; step {self.plan.last_step}"
+                    " was reached)"
+                ),
                 restarts=0,
             )
 

@@ -632,3 +632,24 @@ def test_a_shared_checkpoint_location_lets_the_job_start() -> None:
         await h.finish()
 
     run(body)
+
+
+def test_a_recreated_supervisor_without_a_checkpoint_says_it_starts_from_step_0() -> None:
+    async def body() -> None:
+        h = Harness(
+            FakeCluster(1), initial_state="running", recreated=True, last_step=7, first_attempt=3
+        )
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0] == AttemptSpec(3, 1, None)
+        assert h.of("supervisor_recreated") == [
+            {"previous_state": "running", "checkpoint_step": None}
+        ]
+        assert h.of("state")[0]["reason"] == (
+            "the job's supervisor was lost; a new one resumes it from step 0 "
+            "(no checkpoint was saved; step 7 was reached)"
+        )
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
