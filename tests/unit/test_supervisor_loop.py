@@ -46,6 +46,7 @@ class FakeCluster:
         self.version = 0
         self.changed = asyncio.Event()
         self.reserved: list[int] = []
+        self.draining: dict[str, int] = {}
 
     def bump(self) -> None:
         self.version += 1
@@ -87,7 +88,7 @@ class FakeCapacity:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(c.changed.wait(), timeout_s)
         free = {n: {"CPU": cpus} for n, cpus in c.free.items()}
-        return Snapshot(c.version, frozenset(c.alive), free)
+        return Snapshot(c.version, frozenset(c.alive), free, dict(c.draining))
 
     async def reserve(
         self, workers: int, per_worker: Mapping[str, float], timeout_s: float
@@ -651,5 +652,39 @@ def test_a_recreated_supervisor_without_a_checkpoint_says_it_starts_from_step_0(
         )
         h.loop.cancel("done")
         await h.finish()
+
+    run(body)
+
+
+def test_a_drained_node_pauses_the_job_at_its_next_checkpoint_and_it_resizes_off_it() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        h = Harness(cluster)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].world_size == 3
+        assert not h.loop.should_pause(1, 10)  # nothing drains yet
+        h.saved(1, 10)
+        drained = h.runner.nodes[2]
+        cluster.draining[drained] = 2_000_000  # a preemption notice with a deadline
+        cluster.bump()
+        await h.until(lambda: h.loop.draining is not None, "the drain noticed")
+        h.metrics(1, 17, completed_step=17)
+        h.saved(1, 20)
+        assert h.loop.should_pause(1, 20)  # the next checkpoint after the notice
+        h.runner.end(AttemptOutcome())  # the workers stop there
+        await h.attempt(2)
+        # The draining node is alive and its CPU free again, but the job leaves it.
+        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_20")
+        assert drained not in h.runner.nodes
+        await h.workers_start(2, step=21)
+        (resized,) = h.of("resized")
+        assert (resized["from_world"], resized["to_world"], resized["steps_redone"]) == (3, 2, 0)
+        assert resized["reason"] == "drain"
+        assert h.of("restored") == [] and h.of("worker_lost") == []
+        assert not h.loop.should_pause(2, 30)  # the drain was for the attempt before
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["starting", "running", "succeeded"]
 
     run(body)
