@@ -61,6 +61,7 @@ def node_with_its_own_dir(ray_cluster: ClusterPool, tmp_path: Path) -> Iterator[
         pytest.skip("needs mount namespaces (root, or unshare permitted) to make a node-local dir")
     import ray
 
+    ray_cluster.restore_pool()  # first: the pool's own wait counts only the nodes it made
     root = tmp_path / "checkpoints"
     root.mkdir()
     before = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
@@ -93,12 +94,13 @@ def node_with_its_own_dir(ray_cluster: ClusterPool, tmp_path: Path) -> Iterator[
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        extra = lambda: {n["NodeID"] for n in ray.nodes() if n["Alive"]} - before  # noqa: E731
+        wait_for(lambda: not extra(), 60, what="the extra node to leave the cluster")
 
 
 def test_a_directory_one_node_does_not_share_fails_the_job_naming_the_setting(
     ray_cluster: ClusterPool, node_with_its_own_dir: Path, tmp_path: Path
 ) -> None:
-    ray_cluster.restore_pool()
     root = node_with_its_own_dir
     with LiveServer(make_settings(tmp_path, checkpoint_dir=str(root))) as live:
         api = live.client()
