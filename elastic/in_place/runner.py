@@ -19,6 +19,7 @@ import ray
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
+from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class InPlaceRunner:
             ] = next_index
             next_index += 1
         stop = asyncio.ensure_future(self.stopped.wait())
+        watch = asyncio.ensure_future(self._watch(address, config["_elastic"]["supervisor"]))
         finished_at: float | None = None
         try:
             while runs:
@@ -107,10 +109,36 @@ class InPlaceRunner:
             return AttemptOutcome("every replica was lost")
         finally:
             stop.cancel()
+            watch.cancel()
             self._kill_all()
             for fut in runs:
                 fut.cancel()
             lighthouse.shutdown()
+
+    async def _watch(self, lighthouse: str, supervisor: str) -> None:
+        """When the lighthouse drops a replica (its heartbeats stopped), the survivors'
+        collective with it may never end (a frozen node, a lost node whose process lingers):
+        kill its process, so that it never comes back with a stale view and its sockets
+        reset, and tell every other replica to discard the step in flight. Ray's own word
+        (the actor's death) comes seconds later, and not at all for a frozen process."""
+        detector = LossDetector(HEARTBEAT_TIMEOUT_MS / 1000)
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                ages = await asyncio.to_thread(read_ages, lighthouse)
+            except OSError as e:
+                log.warning("in-place watch: lighthouse status unreadable: %s", e)
+                continue
+            ids = {f"{supervisor}-r{index}": index for index in self.actors}
+            for rid, dropped_for in detector.dropped(ids, ages).items():
+                lost = self.actors.get(ids[rid])
+                log.warning("in-place: replica %s dropped by the lighthouse; aborting", rid)
+                if lost is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(lost, no_restart=True)
+                for actor in list(self.actors.values()):
+                    if actor is not lost:
+                        actor.abort_step.remote(dropped_for)
 
     def _kill_all(self) -> None:
         for actor in self.actors.values():
