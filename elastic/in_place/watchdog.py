@@ -20,8 +20,13 @@ _UNIT_S = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 def heartbeat_ages(status_page: str) -> dict[str, float]:
-    """replica id -> seconds since the lighthouse last heard from it."""
-    return {m[1]: float(m[2]) * _UNIT_S[m[3]] for m in _SEEN.finditer(status_page)}
+    """replica id -> seconds since the lighthouse last heard from it. torchft's Manager
+    appends ``:<uuid>`` to the replica id it is given; the key here is the id given."""
+    ages: dict[str, float] = {}
+    for m in _SEEN.finditer(status_page):
+        rid, age = m[1].split(":")[0], float(m[2]) * _UNIT_S[m[3]]
+        ages[rid] = min(age, ages.get(rid, age))
+    return ages
 
 
 def read_ages(lighthouse: str, timeout_s: float = 1.0) -> dict[str, float]:

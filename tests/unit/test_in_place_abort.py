@@ -18,12 +18,12 @@ PAGE = """
 <ul>
   <li class="heartbeat
   ">
-    job-a-r0: seen 0.018478163s ago
+    job-a-r0:10d1a94b-edf2-4d74-937a-cc8e07ef7f78: seen 0.018478163s ago
   </li>
   <li class="heartbeat
     old
   ">
-    job-a-r1: seen 0.723977309s ago
+    job-a-r1:9dcdf5d0-dfa1-4780-aad4-e9bc480c68aa: seen 0.723977309s ago
   </li>
   <li class="heartbeat">
     job-a-r2: seen 12.5ms ago
