@@ -41,8 +41,9 @@ EVERY = 10
 KILL_AT_STEP = 24
 BATCH = 60  # divides over 1, 2 and 3 workers: the same global batch on both sides
 
-# (time, rank, step, node, session): a session is one worker process, or one attempt.
-Step = tuple[float, int, int, str, str]
+# (time, rank, step, node, session, world size): a session is one worker process, or one
+# attempt; the world size is known on our side only (0 for stock).
+Step = tuple[float, int, int, str, str, int]
 
 
 @ray.remote(num_cpus=0)
@@ -53,7 +54,7 @@ class Probe:
         self.steps: list[Step] = []
 
     def record(self, rank: int, step: int, node: str, session: str) -> None:
-        self.steps.append((time.time(), rank, step, node, session))
+        self.steps.append((time.time(), rank, step, node, session, 0))
 
     def all(self) -> list[Step]:
         return list(self.steps)
@@ -157,7 +158,9 @@ def run_stock(cluster: Cluster, nodes: list[Any], storage: str) -> dict[str, flo
     return _summary(steps, started, killed_at)
 
 
-def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, float]:
+def run_ours(
+    cluster: Cluster, nodes: list[Any], data_dir: str, mode: str = "restart"
+) -> dict[str, float]:
     import uvicorn
 
     from service.app import create_app
@@ -194,6 +197,7 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
         },
         "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": EVERY, "keep": 3},
+        "fault_tolerance": mode,
     }
     started = time.time()
     job = client.post("/v1/jobs", json=spec).json()
@@ -208,6 +212,7 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
                 e["data"]["step"],
                 "",
                 str(e["data"]["attempt"]),
+                e["data"].get("world_size", 0),
             )
             for e in items
             if e["kind"] == "metrics"
@@ -234,6 +239,19 @@ def run_ours(cluster: Cluster, nodes: list[Any], data_dir: str) -> dict[str, flo
     server.should_exit = True
     thread.join(timeout=30)
     assert final["state"] == "succeeded", final
+    if mode == "in_place":
+        # No new session: the survivors train on in the same attempt. Recovery ends at the
+        # first step committed at the smaller world size; the pause and the steps redone are
+        # the survivors' own (the gap between the last commit before the loss and the first
+        # after it, and whether the step in flight was discarded).
+        lost = next(e["data"] for e in items if e["kind"] == "worker_lost")
+        first_small = min(s[0] for s in steps if s[0] > killed_at and s[5] == 2)
+        return {
+            "recovery_s": first_small - killed_at,
+            "pause_s": lost["pause_seconds"],
+            "steps_redone": lost["steps_redone"],
+            "wall_s": max(s[0] for s in steps if s[2] == STEPS) - started,
+        }
     return _summary(steps, started, killed_at) | {
         "reported_s": shrink["recovery_seconds"],
         "detection_s": shrink.get("detection_seconds") or 0.0,
@@ -278,6 +296,7 @@ def _fresh_node(cluster: Cluster, nodes: list[Any]) -> None:
 
 ROWS = [
     ("recovery seconds (kill to first resumed step)", "recovery_s", "{:.1f}"),
+    ("longest pause of the survivors (s)", "pause_s", "{:.2f}"),
     ("steps redone", "steps_redone", "{:.0f}"),
     ("wall time, start to the last step (s)", "wall_s", "{:.1f}"),
     ("ours as reported: recovery_seconds", "reported_s", "{:.1f}"),
@@ -306,16 +325,18 @@ def main() -> None:
     _fresh_node(cluster, nodes)
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     work = tempfile.mkdtemp(prefix="etrain-bench-")
-    results: dict[str, list[dict[str, float]]] = {"stock": [], "ours": []}
+    sides = ["stock", "ours", "in_place"]
+    results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for rep in range(args.repeat):
-        order = ["stock", "ours"] if rep % 2 == 0 else ["ours", "stock"]
+        # Each side takes each place in the order in turn.
+        order = sides[rep % 3 :] + sides[: rep % 3]
         for side in order:
             where = os.path.join(work, f"{side}-{rep}")
-            run = (
-                run_stock(cluster, nodes, where)
-                if side == "stock"
-                else run_ours(cluster, nodes, where)
-            )
+            if side == "stock":
+                run = run_stock(cluster, nodes, where)
+            else:
+                mode = "in_place" if side == "in_place" else "restart"
+                run = run_ours(cluster, nodes, where, mode)
             results[side].append(run)
             print(f"repetition {rep + 1}, {side}: {run}", flush=True)
             _fresh_node(cluster, nodes)
@@ -323,17 +344,11 @@ def main() -> None:
     print()
     print(f"median (range) of {args.repeat} runs per side, sides alternated")
     print()
-    print(f"| {'':46} | stock Ray Train 2.60 | elastic-train        | ours/stock |")
-    print(f"| {'-' * 46} | -------------------- | -------------------- | ---------- |")
+    print(f"| {'':46} | stock Ray Train 2.60 | ours, restart        | ours, in_place       |")
+    print(f"| {'-' * 46} | -------------------- | -------------------- | -------------------- |")
     for label, key, fmt in ROWS:
-        stock = [r[key] for r in results["stock"] if key in r]
-        ours = [r[key] for r in results["ours"] if key in r]
-        ratio = (
-            f"{statistics.median(ours) / statistics.median(stock):.2f}"
-            if stock and ours and statistics.median(stock)
-            else "-"
-        )
-        print(f"| {label:46} | {_cell(stock, fmt):>20} | {_cell(ours, fmt):>20} | {ratio:>10} |")
+        cells = [_cell([r[key] for r in results[side] if key in r], fmt) for side in sides]
+        print(f"| {label:46} | " + " | ".join(f"{c:>20}" for c in cells) + " |")
     ray.shutdown()
     cluster.shutdown()
 

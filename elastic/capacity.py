@@ -38,11 +38,18 @@ class Snapshot:
     version: int
     alive: frozenset[str]
     free: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Nodes Ray is draining (a preemption notice, a scale-down) -> the deadline, Unix ms (0:
+    # none). They are alive but take no new work, and will go.
+    draining: dict[str, int] = field(default_factory=dict)
 
     def workers_free(self, per_worker: Mapping[str, float], exclude: Collection[str] = ()) -> int:
         """Workers that fit in what is free, leaving out ``exclude`` (nodes suspected dead
-        that Ray's membership has not caught up with yet)."""
-        free = [r for node, r in self.free.items() if node in self.alive and node not in exclude]
+        that Ray's membership has not caught up with yet) and draining nodes."""
+        free = [
+            r
+            for node, r in self.free.items()
+            if node in self.alive and node not in exclude and node not in self.draining
+        ]
         return workers_that_fit(free, per_worker)
 
 
@@ -132,6 +139,10 @@ def remove_orphaned_groups(namespace: str) -> list[str]:
     return removed
 
 
+def draining_nodes() -> dict[str, int]:
+    return dict(ray_state.state.get_draining_nodes())
+
+
 def alive_nodes() -> set[str]:
     return {str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
 
@@ -186,7 +197,7 @@ class MembershipWatcher:
                 for name, amount in held.items():
                     if node in free:
                         free[node][name] = max(0.0, free[node].get(name, 0.0) - amount)
-        return Snapshot(current.version, current.alive, free)
+        return Snapshot(current.version, current.alive, free, current.draining)
 
     async def _wait(self, after_version: int, timeout_s: float) -> Snapshot:
         if self.task is None:
@@ -211,11 +222,14 @@ class MembershipWatcher:
 
     async def _poll(self) -> None:
         await asyncio.to_thread(remove_orphaned_groups, ray.get_runtime_context().namespace)
-        alive, free = await asyncio.to_thread(lambda: (alive_nodes(), free_per_node()))
+        alive, free, draining = await asyncio.to_thread(
+            lambda: (alive_nodes(), free_per_node(), draining_nodes())
+        )
         await self._drop_orphan_claims()
-        if alive == self.current.alive and free == self.current.free:
+        c = self.current
+        if alive == c.alive and free == c.free and draining == c.draining:
             return
-        self.current = Snapshot(self.current.version + 1, frozenset(alive), free)
+        self.current = Snapshot(c.version + 1, frozenset(alive), free, draining)
         self._bump(new=False)
 
     async def _drop_orphan_claims(self) -> None:
@@ -236,7 +250,7 @@ class MembershipWatcher:
     def _bump(self, new: bool = True) -> None:
         if new:
             c = self.current
-            self.current = Snapshot(c.version + 1, c.alive, c.free)
+            self.current = Snapshot(c.version + 1, c.alive, c.free, c.draining)
         self.changed.set()
         self.changed = asyncio.Event()
 

@@ -393,3 +393,105 @@ class ObjectCheckpointStorage:
                 self.remove(name)
                 removed.append(name)
         return sorted(removed)
+
+
+# -- is a checkpoint directory shared by every node? -------------------------------------------
+
+PROBE_PREFIX = ".etrain-probe-"
+# The setting a user changes when the probe fails; named in the job's failure reason.
+CHECKPOINT_SETTING = "ETRAIN_CHECKPOINT_DIR (the chart's checkpoints values)"
+PROBE_TIMEOUT_S = 20.0
+
+
+def probe_from_node(root: str, name: str, token: str, answer: str) -> tuple[str, str | None]:
+    """Run on a worker node: read the supervisor's probe file and leave an answer beside it.
+    Returns this node's address and what went wrong (None: both directions work)."""
+    import ray
+
+    node = f"{ray.util.get_node_ip_address()} (id {ray.get_runtime_context().get_node_id()[:12]})"
+    sent = Path(root) / f"{name}.sent"
+    try:
+        seen = sent.read_text()
+    except OSError as e:
+        return node, f"cannot read a file the supervisor wrote there ({e.strerror})"
+    if seen != token:
+        return node, "reads a different file under the same name (a node-local directory)"
+    try:
+        (Path(root) / answer).write_text(token)
+    except OSError as e:
+        return node, f"cannot write there ({e.strerror})"
+    return node, None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+async def unshared_checkpoint_dir(
+    root: str, per_worker: dict[str, float], timeout_s: float = PROBE_TIMEOUT_S
+) -> str | None:
+    """Whether the supervisor and every node that can hold a worker see the same ``root``:
+    the supervisor writes a probe file, one zero-CPU task per other node reads it and writes
+    an answer, the supervisor reads the answers. A directory on each node's own disk would
+    otherwise fail silently: the supervisor sees no checkpoint and a restart begins at step
+    0. Returns the reason the job cannot run there, or None. A bucket is the same for every
+    node and is not probed; a node that does not answer in time is not held against it."""
+    if is_object_uri(root):
+        return None
+    import asyncio
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    own = ray.get_runtime_context().get_node_id()
+    nodes = [
+        n
+        for n in ray.nodes()
+        if n["Alive"]
+        and n["NodeID"] != own
+        and all(n["Resources"].get(k, 0.0) >= v for k, v in per_worker.items() if v > 0)
+    ]
+    if not nodes:
+        return None
+    path = Path(root)
+    name = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
+    token = uuid.uuid4().hex
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"{name}.sent").write_text(token)
+    except OSError as e:
+        return f"the supervisor cannot write to the checkpoint directory {root} ({e.strerror})"
+    task = ray.remote(num_cpus=0, max_retries=0)(probe_from_node)
+    refs = [
+        task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(root, name, token, f"{name}.answer-{i}")
+        for i, n in enumerate(nodes)
+    ]
+    try:
+        futures = [asyncio.ensure_future(r) for r in refs]  # type: ignore[arg-type]
+        await asyncio.wait(futures, timeout=timeout_s)
+        problems: list[str] = []
+        for i, future in enumerate(futures):
+            if not future.done() or future.exception() is not None:
+                future.cancel()
+                continue  # slow, or the node died under the probe: not the directory's fault
+            node, problem = future.result()
+            if problem is None and _read(path / f"{name}.answer-{i}") != token:
+                problem = "writes a file the supervisor cannot read"
+            if problem is not None:
+                problems.append(f"node {node} {problem}")
+    finally:
+        for leftover in path.glob(f"{name}.*"):
+            leftover.unlink(missing_ok=True)
+    if not problems:
+        return None
+    return (
+        f"the checkpoint directory {root} is not shared by every Ray node: "
+        + "; ".join(sorted(problems))
+        + f". Set {CHECKPOINT_SETTING} to a directory every node mounts at the same path, "
+        "or to a bucket (s3://bucket/prefix)"
+    )

@@ -73,6 +73,7 @@ class JobLoop:
         events: EventLog,
         timing: Timing = Timing(),
         clock: Callable[[], float] = time.time,
+        storage_check: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self.plan = plan
         self.runner = runner
@@ -81,6 +82,9 @@ class JobLoop:
         self.events = events
         self.timing = timing
         self.clock = clock
+        # Why the job's checkpoint location cannot serve it (None: it can), asked once at
+        # start: a location only some nodes see would lose every checkpoint to a restart.
+        self.storage_check = storage_check
         self.state = plan.initial_state
         self.restarts = RestartPolicy(plan.max_restarts)
         self.attempt: Attempt | None = None
@@ -91,6 +95,9 @@ class JobLoop:
         self.cancelled = False
         self.waiting_for: str | None = None
         self._claim_settled = False
+        # A drain notice for nodes of the running attempt: (attempt number, those nodes).
+        # The attempt pauses at its next checkpoint and the job goes on without them.
+        self.draining: tuple[int, frozenset[str]] | None = None
 
     # -- the routing -------------------------------------------------------------------------
 
@@ -107,6 +114,11 @@ class JobLoop:
             await self._drop_reservation()
 
     async def _start(self) -> Step | None:
+        if self.storage_check is not None:
+            problem = await self.storage_check()
+            if problem is not None:
+                self._set_state("failed", reason=problem)
+                return None
         if self.plan.recreated:
             self._resume_after_supervisor_loss()
         return self._schedule
@@ -195,6 +207,15 @@ class JobLoop:
         now = self.clock()
         if cause == EndCause.PAUSED:
             step = attempt.paused_at or 0
+            if self.draining is not None and self.draining[0] == attempt.number:
+                nodes = self.draining[1]
+                self.draining = None
+                for node in nodes:  # out of sizing until Ray drops it, like a suspect
+                    self.suspects[node] = now
+                self.recovery = Recovery("drain", attempt.world_size, step, now, now)
+                leaving = sum(n in nodes for n in attempt.worker_nodes.values())
+                await self._wait_for_release(attempt.world_size - leaving)
+                return self._schedule
             self.recovery = Recovery("grow", attempt.world_size, step, now, now)
             await self._wait_for_release(attempt.grow_to or attempt.world_size)
             return self._schedule
@@ -278,7 +299,23 @@ class JobLoop:
             if not self._claim_settled:
                 self._claim_settled = True
                 await self.capacity.settle()
+            self._notice_drain(attempt, snap)
             await self._maybe_reserve_growth(attempt, snap)
+
+    def _notice_drain(self, attempt: Attempt, snap: Snapshot) -> None:
+        """A drain notice (a spot preemption, a scale-down) for a node of this attempt: it
+        pauses at its next checkpoint, before the node goes, so no step is redone."""
+        drained = frozenset(n for n in attempt.worker_nodes.values() if n in snap.draining)
+        if not drained or (self.draining is not None and self.draining[0] == attempt.number):
+            return
+        self.draining = (attempt.number, drained)
+        deadlines = [snap.draining[n] for n in drained if snap.draining[n] > 0]
+        log.info(
+            "job %s: nodes %s are draining (deadline %s ms); pausing at the next checkpoint",
+            self.plan.job_id,
+            sorted(drained),
+            min(deadlines) if deadlines else None,
+        )
 
     async def _watch_in_place(self, attempt: Attempt) -> None:
         """In place, a node loss ends nothing: the replicas' quorum goes on without it and
@@ -332,7 +369,10 @@ class JobLoop:
     def should_pause(self, attempt: int, step: int) -> bool:
         """Asked by rank 0 right after each checkpoint: stop here so the job can grow?"""
         current = self.attempt
-        if current is None or attempt != current.number or current.grow_to is None:
+        if current is None or attempt != current.number:
+            return False
+        drain = self.draining is not None and self.draining[0] == attempt
+        if current.grow_to is None and not drain:
             return False
         if self.cancelled:
             return False
@@ -424,7 +464,12 @@ class JobLoop:
             self._set_state(
                 "recovering",
                 reason="the job's supervisor was lost; a new one resumes it"
-                + (f" from the checkpoint of step {step}" if step is not None else ""),
+                + (
+                    f" from the checkpoint of step {step}"
+                    if step is not None
+                    else f" from step 0 (no checkpoint was saved; step {self.plan.last_step}"
+                    " was reached)"
+                ),
                 restarts=0,
             )
 
@@ -504,10 +549,11 @@ class JobLoop:
         r = self.recovery
         assert r is not None
         fields = r.fields(attempt.world_size, self.clock())
-        if r.kind != "grow" and r.checkpoint_step is not None:
+        if r.kind not in ("grow", "drain") and r.checkpoint_step is not None:
             self._emit(EventKind.RESTORED, {"kind": "restored", **fields})
         if r.from_world != attempt.world_size:
-            self._emit(EventKind.RESIZED, {"kind": "resized", **fields})
+            why = {"reason": "drain"} if r.kind == "drain" else {}
+            self._emit(EventKind.RESIZED, {"kind": "resized", **fields, **why})
         self.recovery = None
 
     def _set_state(self, target: str, reason: str | None = None, **extra: Any) -> None:

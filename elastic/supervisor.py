@@ -17,6 +17,7 @@ import ray
 
 from elastic.attempt_runner import AttemptSpec, RayTrainRunner
 from elastic.capacity import RayCapacity
+from elastic.checkpoint_storage import unshared_checkpoint_dir
 from elastic.checkpoints import CheckpointDir
 from elastic.events import EventLog
 from elastic.job_loop import TERMINAL, JobLoop
@@ -60,6 +61,9 @@ class Supervisor:
             RayCapacity(plan.namespace, plan.job_id),
             CheckpointDir(plan.checkpoint_dir),
             EventLog(first_seq),
+            storage_check=lambda: unshared_checkpoint_dir(
+                plan.checkpoint_dir, plan.resources_per_worker
+            ),
         )
         self.task: asyncio.Task[None] | None = None
 

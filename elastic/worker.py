@@ -10,6 +10,7 @@ import ray
 import ray.train
 import torch
 
+from elastic import mlflow_log
 from elastic.checkpoints import CheckpointDir
 from elastic.tensorboard import TensorBoardLog, resumed_step
 from elastic.worker_config import WorkerConfig
@@ -32,6 +33,8 @@ class WorkerContext:
     completed_step: int = 0
     # Rank 0 of a job's attempt draws what it reports into TensorBoard event files.
     tensorboard: TensorBoardLog | None = None
+    # ... and into the job's MLflow run, when the service has a tracking URI.
+    mlflow: mlflow_log.MlflowLog | None = None
     checkpoints: CheckpointDir = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +87,9 @@ class WorkerContext:
                     worker.world_size,
                     resumed_step(meta.resume_path),
                 )
+                worker.mlflow = mlflow_log.for_worker(
+                    config, meta.attempt, worker.world_size, resumed_step(meta.resume_path)
+                )
         return worker
 
     @classmethod
@@ -120,11 +126,16 @@ class WorkerContext:
             self.local_events.append((kind, {"attempt": self.attempt, **data}))
         if self.tensorboard is not None:
             self.tensorboard.record(kind, data)
+        if self.mlflow is not None:
+            self.mlflow.record(kind, data)
 
     def close(self) -> None:
-        """Flush what the worker writes besides checkpoints (its TensorBoard files)."""
+        """Flush what the worker writes besides checkpoints (its TensorBoard files, its
+        MLflow points). Called in a ``finally``: an exception being handled fails the run."""
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.mlflow is not None:
+            self.mlflow.close()
 
     def should_pause(self, step: int) -> bool:
         """Rank 0, at a checkpoint: does the supervisor want to restart bigger from here?

@@ -17,6 +17,11 @@ supervisor as its Ray ``runtime_env``, which its attempts and workers inherit: t
 supervisor lists and verifies checkpoints and the workers write and read them. On the
 embedded Ray and on an external cluster alike, nothing else of the service's goes with them.
 
+**MLflow.** With ``ETRAIN_MLFLOW_TRACKING_URI`` set, each job's supervisor ``runtime_env``
+also carries ``MLFLOW_TRACKING_URI`` (the setting's value, credentials in it included),
+``MLFLOW_EXPERIMENT_NAME``, and those of :data:`MLFLOW_VARIABLES` present in the service's
+environment (the tracking server's credentials and TLS trust).
+
 **Files.** The service's own directories (data dir, checkpoints, the SQLite file's
 directory, Ray's session directory with every worker's log) are never a data path.
 """
@@ -108,6 +113,16 @@ STORAGE_VARIABLES: dict[str, tuple[str, ...]] = {
     "abfss": _AZURE_VARIABLES,
 }
 
+# What the MLflow client reads to reach and trust a tracking server.
+MLFLOW_VARIABLES = (
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_INSECURE_TLS",
+    "MLFLOW_TRACKING_SERVER_CERT_PATH",
+    "MLFLOW_TRACKING_CLIENT_CERT_PATH",
+)
+
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
     for pattern in patterns:
@@ -141,6 +156,16 @@ def storage_environment(environ: Mapping[str, str], checkpoint_root: str) -> dic
     scheme, sep, _ = checkpoint_root.partition("://")
     names = STORAGE_VARIABLES.get(scheme.lower(), ()) if sep else ()
     return {name: environ[name] for name in names if name in environ}
+
+
+def mlflow_environment(
+    environ: Mapping[str, str], tracking_uri: str, experiment: str
+) -> dict[str, str]:
+    """The variables a job's rank-0 worker needs to log to the tracking server."""
+    env = {name: environ[name] for name in MLFLOW_VARIABLES if name in environ}
+    env["MLFLOW_TRACKING_URI"] = tracking_uri
+    env["MLFLOW_EXPERIMENT_NAME"] = experiment
+    return env
 
 
 @contextlib.contextmanager

@@ -34,6 +34,22 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_
 _LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
+@dataclass(frozen=True)
+class MlflowTarget:
+    tracking_uri: str
+    experiment: str
+
+
+# Where jobs launched by this process log to MLflow (the service's setting; None: nowhere).
+# Process-wide like the Ray connection: one service per process.
+_mlflow: MlflowTarget | None = None
+
+
+def configure_mlflow(target: MlflowTarget | None) -> None:
+    global _mlflow
+    _mlflow = target
+
+
 def ray_auth_env(token: str | None, token_path: str | None) -> dict[str, str]:
     """The variables that make Ray's clients (this driver, and Ray's own C++ core) present
     a token to a cluster started with ``RAY_AUTH_MODE=token``. Empty: no token configured,
@@ -135,10 +151,19 @@ def launch(
     with ``resume``, a new supervisor for a job whose supervisor died."""
     workload = WORKLOADS.get(spec.workload)
     train_loop = workload.train_loop if workload else spec.workload
+    train_config = spec.train_config()
+    if _mlflow is not None:
+        # Read by the rank-0 worker (elastic.mlflow_log); the URI goes in the environment.
+        train_config["_mlflow"] = {
+            "job_id": job_id,
+            "job_name": spec.name,
+            "min_workers": spec.scaling.min_workers,
+            "max_workers": spec.scaling.max_workers,
+        }
     plan = SupervisorPlan(
         job_id=job_id,
         train_loop=train_loop,
-        train_config=spec.train_config(),
+        train_config=train_config,
         min_workers=spec.scaling.min_workers,
         max_workers=spec.scaling.max_workers,
         resources_per_worker=spec.scaling.worker_resources(),
@@ -166,8 +191,13 @@ def launch(
         "get_if_exists": True,
         **capacity.on_head_node(),
     }
-    if storage_env := isolation.storage_environment(os.environ, checkpoint_root):
-        options["runtime_env"] = {"env_vars": storage_env}  # attempts and workers inherit it
+    env = isolation.storage_environment(os.environ, checkpoint_root)
+    if _mlflow is not None:
+        env.update(
+            isolation.mlflow_environment(os.environ, _mlflow.tracking_uri, _mlflow.experiment)
+        )
+    if env:
+        options["runtime_env"] = {"env_vars": env}  # attempts and workers inherit it
     handle = Supervisor.options(**options).remote(plan, first_seq)  # type: ignore[attr-defined]
     handle.start.remote()
     return handle

@@ -94,6 +94,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.worker_env,
         settings.ray_dashboard_port,
     )
+    mlflow_uri = settings.mlflow_tracking_uri
+    launcher.configure_mlflow(
+        launcher.MlflowTarget(mlflow_uri.get_secret_value(), settings.mlflow_experiment)
+        if mlflow_uri
+        else None
+    )
     _reclaim_sigterm()
     services.control = JobControl(settings, services.store, services.hub)
     services.control.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from functools import cached_property
 from pathlib import Path
@@ -135,6 +136,20 @@ class Settings(BaseSettings):
         "embedded Ray, beyond the built-in allow-list (a trailing '*' matches a prefix). "
         "ETRAIN_ variables never do.",
     )
+    mlflow_tracking_uri: SecretStr | None = Field(
+        None,
+        description="An MLflow tracking URI (http://mlflow:5000, sqlite:////shared/mlflow.db, "
+        "databricks): each job's rank-0 worker logs its params, metrics and attempts to one "
+        "run there. Needs the mlflow extra (pip install 'elastic-train[mlflow]') in the "
+        "service and on every Ray node; the service refuses to start without it. The URI and "
+        "the MLFLOW_TRACKING_* credential variables reach the jobs (docs/security.md). "
+        "Unset: no MLflow logging.",
+    )
+    mlflow_experiment: str = Field(
+        "elastic-train",
+        min_length=1,
+        description="The MLflow experiment that holds the jobs' runs (created if missing).",
+    )
     # -- limits per user (defaults; an admin sets them per user with /v1/users/{name}/limits)
     min_cpus_per_worker: float = Field(
         1.0,
@@ -207,6 +222,17 @@ class Settings(BaseSettings):
             if not os.path.isabs(root) or "\x00" in root:
                 raise ValueError(f"data root {root!r} is not an absolute path")
         return roots
+
+    @field_validator("mlflow_tracking_uri")
+    @classmethod
+    def _mlflow_installed(cls, uri: SecretStr | None) -> SecretStr | None:
+        # Checked here, at start-up, not when the first job's worker finds it missing.
+        if uri is not None and importlib.util.find_spec("mlflow") is None:
+            raise ValueError(
+                "an MLflow tracking URI is set but mlflow is not installed: "
+                "pip install 'elastic-train[mlflow]' (or unset ETRAIN_MLFLOW_TRACKING_URI)"
+            )
+        return uri
 
     @cached_property
     def resolved_database_url(self) -> str:

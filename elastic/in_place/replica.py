@@ -44,7 +44,11 @@ def make_manager(
         min_replica_size=1,
         use_async_quorum=False,  # the quorum is known before the step's samples are chosen
         timeout=timeout,
-        quorum_timeout=timedelta(seconds=max(30.0, timeout_s)),
+        # Longer than a collective can block: a survivor whose all-reduce failed first asks
+        # for the next quorum while a peer may still sit in the same all-reduce (Gloo's ring:
+        # the peer waits for data the first will not send) until the collective timeout.
+        # A shorter quorum timeout turned that pause into a failed attempt and a restart.
+        quorum_timeout=timedelta(seconds=2 * timeout_s + 10),
         connect_timeout=timedelta(seconds=10),
         rank=0,
         world_size=1,

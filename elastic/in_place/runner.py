@@ -18,6 +18,7 @@ import ray
 
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
+from elastic.in_place.fence import fence
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
 
@@ -34,6 +35,11 @@ class InPlaceRunner:
         self.config_for = config_for  # AttemptSpec -> the train-loop config
         self.actors: dict[int, Any] = {}
         self.stopped = asyncio.Event()
+
+    async def _fence(self, index: int) -> None:
+        actor = self.actors.get(index)
+        if actor is not None:
+            await asyncio.to_thread(fence, actor)
 
     def _lighthouse(self) -> Any:
         from torchft.coordination import LighthouseServer
@@ -86,12 +92,14 @@ class InPlaceRunner:
                     return AttemptOutcome("the final checkpoint's writer did not finish")
                 for fut in done:
                     index = runs.pop(fut)
-                    self.actors.pop(index, None)
                     try:
                         fut.result()
                     except ray.exceptions.RayActorError:
                         # Its node went, or its process died: the others train on; a
-                        # replacement waits for capacity in Ray's queue.
+                        # replacement waits for capacity in Ray's queue. A worker left behind
+                        # by a dead raylet can still hold the survivors' all-reduce: killed.
+                        await self._fence(index)
+                        self.actors.pop(index, None)
                         if not self.stopped.is_set():
                             call = self._place(next_index, config, address, True)
                             runs[asyncio.ensure_future(call)] = next_index
@@ -101,6 +109,8 @@ class InPlaceRunner:
                         if index >= spec.world_size and "no healthy peer" in str(e):
                             continue  # a joiner that came too late never trains alone
                         return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
+                    finally:
+                        self.actors.pop(index, None)
                     # The job is finished: decided here, once, when the replica that wrote the
                     # final checkpoint says so (the others are stopped then).
                     if fut.result() == "finished":
@@ -134,8 +144,7 @@ class InPlaceRunner:
                 lost = self.actors.get(ids[rid])
                 log.warning("in-place: replica %s dropped by the lighthouse; aborting", rid)
                 if lost is not None:
-                    with contextlib.suppress(Exception):
-                        ray.kill(lost, no_restart=True)
+                    await self._fence(ids[rid])
                 for actor in list(self.actors.values()):
                     if actor is not lost:
                         actor.abort_step.remote(dropped_for)

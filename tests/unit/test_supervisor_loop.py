@@ -46,6 +46,7 @@ class FakeCluster:
         self.version = 0
         self.changed = asyncio.Event()
         self.reserved: list[int] = []
+        self.draining: dict[str, int] = {}
 
     def bump(self) -> None:
         self.version += 1
@@ -87,7 +88,7 @@ class FakeCapacity:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(c.changed.wait(), timeout_s)
         free = {n: {"CPU": cpus} for n, cpus in c.free.items()}
-        return Snapshot(c.version, frozenset(c.alive), free)
+        return Snapshot(c.version, frozenset(c.alive), free, dict(c.draining))
 
     async def reserve(
         self, workers: int, per_worker: Mapping[str, float], timeout_s: float
@@ -184,7 +185,12 @@ def make_plan(**overrides: Any) -> SupervisorPlan:
 
 
 class Harness:
-    def __init__(self, cluster: FakeCluster, **plan: Any) -> None:
+    def __init__(
+        self,
+        cluster: FakeCluster,
+        storage_check: Callable[[], Awaitable[str | None]] | None = None,
+        **plan: Any,
+    ) -> None:
         self.cluster = cluster
         self.clock = Clock()
         self.runner = FakeRunner(cluster)
@@ -199,6 +205,7 @@ class Harness:
             self.log,
             FAST,
             self.clock,
+            storage_check,
         )
         self.task: asyncio.Task[None] | None = None
 
@@ -589,5 +596,95 @@ def test_attempts_that_fail_while_recovering_are_restarts_within_the_limit() -> 
             "rank 0: OSError: disk gone (gave up after 2 restarts; max_restarts is 2)"
         )
         assert len(h.runner.specs) == 3
+
+    run(body)
+
+
+def test_a_checkpoint_location_the_nodes_do_not_share_fails_the_job_before_any_attempt() -> None:
+    async def problem() -> str | None:
+        return "the checkpoint directory /c is not shared by every Ray node"
+
+    async def body() -> None:
+        h = Harness(FakeCluster(2), storage_check=problem)
+        h.start()
+        await h.finish()
+        assert h.loop.state == "failed" and h.runner.specs == []
+        assert h.of("state") == [
+            {
+                "state": "failed",
+                "previous": "queued",
+                "reason": "the checkpoint directory /c is not shared by every Ray node",
+            }
+        ]
+
+    run(body)
+
+
+def test_a_shared_checkpoint_location_lets_the_job_start() -> None:
+    async def fine() -> str | None:
+        return None
+
+    async def body() -> None:
+        h = Harness(FakeCluster(1), storage_check=fine)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.loop.state == "running"
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+def test_a_recreated_supervisor_without_a_checkpoint_says_it_starts_from_step_0() -> None:
+    async def body() -> None:
+        h = Harness(
+            FakeCluster(1), initial_state="running", recreated=True, last_step=7, first_attempt=3
+        )
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0] == AttemptSpec(3, 1, None)
+        assert h.of("supervisor_recreated") == [
+            {"previous_state": "running", "checkpoint_step": None}
+        ]
+        assert h.of("state")[0]["reason"] == (
+            "the job's supervisor was lost; a new one resumes it from step 0 "
+            "(no checkpoint was saved; step 7 was reached)"
+        )
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+def test_a_drained_node_pauses_the_job_at_its_next_checkpoint_and_it_resizes_off_it() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        h = Harness(cluster)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].world_size == 3
+        assert not h.loop.should_pause(1, 10)  # nothing drains yet
+        h.saved(1, 10)
+        drained = h.runner.nodes[2]
+        cluster.draining[drained] = 2_000_000  # a preemption notice with a deadline
+        cluster.bump()
+        await h.until(lambda: h.loop.draining is not None, "the drain noticed")
+        h.metrics(1, 17, completed_step=17)
+        h.saved(1, 20)
+        assert h.loop.should_pause(1, 20)  # the next checkpoint after the notice
+        h.runner.end(AttemptOutcome())  # the workers stop there
+        await h.attempt(2)
+        # The draining node is alive and its CPU free again, but the job leaves it.
+        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_20")
+        assert drained not in h.runner.nodes
+        await h.workers_start(2, step=21)
+        (resized,) = h.of("resized")
+        assert (resized["from_world"], resized["to_world"], resized["steps_redone"]) == (3, 2, 0)
+        assert resized["reason"] == "drain"
+        assert h.of("restored") == [] and h.of("worker_lost") == []
+        assert not h.loop.should_pause(2, 30)  # the drain was for the attempt before
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["starting", "running", "succeeded"]
 
     run(body)
