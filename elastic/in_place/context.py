@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from elastic.checkpoint_state import RankRng, seed_rank
+from elastic.in_place.abort import StepAbort
 from elastic.in_place.steps import Timeline, loss_weight, participant_indices
 from elastic.loop import (
     LoopSettings,
@@ -56,6 +57,8 @@ class InPlaceContext(TrainContext):
         self.timeline = Timeline()
         self._committed = False
         self._participants = 1
+        # Set from another thread when the supervisor hears that a peer is gone.
+        self.abort = StepAbort()
 
     # -- the heal state: every replicated checkpoint part ------------------------------------
 
@@ -108,6 +111,7 @@ class InPlaceContext(TrainContext):
         perm_epoch, perm = -1, None
         self.model.train()
         while self.step < last_step:
+            self.abort.new_step()
             self.manager.start_quorum()  # may heal this replica: step and position move
             if self.step >= last_step:
                 break
@@ -210,8 +214,8 @@ class InPlaceContext(TrainContext):
             self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
             for flat in [*flats.values(), totals]
         ]
-        for work in works:
-            work.wait()
+        if not self.abort.wait_all(works, self.manager):
+            return  # a peer of this step is gone: discarded, redone by the next quorum
         if not self.manager.should_commit():
             return
         for dt, gs in by_dtype.items():

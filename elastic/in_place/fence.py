@@ -1,11 +1,11 @@
 """Fencing a lost replica: its process is SIGKILLed as soon as the lighthouse stops hearing
-from it or Ray reports its actor dead.
+from it (elastic/in_place/watchdog.py) or Ray reports its actor dead.
 
-Why: a survivor blocked in a Gloo all-reduce with a peer that is hung (stopped, or a worker
-left behind by a dead raylet) waits out the whole collective timeout. Gloo's ``abort()``
-does not unblock that wait (measured with torch 2.14: the all-reduce returned only when the
-peer's process died). A killed process's sockets are closed by its kernel, so the survivors'
-all-reduce fails at once and torchft discards the step; the next quorum redoes it.
+Why, besides the survivors' step abort (elastic/in_place/abort.py), which already lets them
+go on: a hung replica (a stopped process, or a worker left behind by a dead raylet) counts
+as alive to Ray, so no replacement would be placed, and it could wake with a stale view of
+the job. Gloo's ``abort()`` cannot end its collectives either (measured with torch 2.14); a
+killed process's sockets are closed by its kernel, which ends them.
 """
 
 from __future__ import annotations
@@ -13,31 +13,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import signal
-import urllib.request
 from typing import Any
 
 import ray
 
 log = logging.getLogger(__name__)
-
-# A lighthouse status page entry: `<li class="heartbeat old">  <replica_id>:<uuid>: seen ...`.
-_HEARTBEAT = re.compile(r'<li class="heartbeat\s*(old)?\s*">\s*([^\s:]+)(?::[^\s:]*)?: seen')
-
-
-def heartbeats(status_html: str) -> dict[str, bool]:
-    """Replica id (without torchft's uuid suffix) -> whether the lighthouse still counts its
-    heartbeat as fresh. A replica restarted under the same id counts fresh if any is."""
-    fresh: dict[str, bool] = {}
-    for old, replica_id in _HEARTBEAT.findall(status_html):
-        fresh[replica_id] = fresh.get(replica_id, False) or not old
-    return fresh
-
-
-def read_status(lighthouse: str, timeout_s: float = 1.0) -> str:
-    with urllib.request.urlopen(f"{lighthouse}/status", timeout=timeout_s) as response:
-        return response.read().decode()
 
 
 def _is_replica(pid: int) -> bool:

@@ -65,8 +65,20 @@ def make_manager(
     return manager
 
 
-@ray.remote(max_restarts=0)
+# Two threads: ``run`` trains, ``abort_step`` reaches it while a collective is in flight.
+@ray.remote(max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]
 class Replica:
+    def __init__(self) -> None:
+        self.ctx: Any = None
+
+    def abort_step(self, dropped_for_s: float) -> bool:
+        """The supervisor heard that a replica of the job was dropped by the lighthouse
+        ``dropped_for_s`` ago: discard the step in flight if its quorum may hold it (see
+        elastic/in_place/abort.py). True when a step was discarded."""
+        if self.ctx is None:
+            return False
+        return bool(self.ctx.abort.request(dropped_for_s))
+
     def run(
         self,
         config: dict[str, Any],
@@ -105,7 +117,7 @@ class Replica:
                 "log", {"attempt": meta.attempt, "rank": replica, "lines": lines}
             )
 
-        ctx = InPlaceContext(config, worker, factory, replica, must_heal)
+        ctx = self.ctx = InPlaceContext(config, worker, factory, replica, must_heal)
         try:
             with forward_output(send):
                 resolve(meta.train_loop)(config, ctx)

@@ -18,15 +18,13 @@ import ray
 
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
-from elastic.in_place.fence import fence, heartbeats, read_status
+from elastic.in_place.fence import fence
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
+from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_MS = 1000
-# How often the lighthouse's heartbeats are read for a replica to fence: a hung replica is
-# killed at most this long after the lighthouse dropped it.
-WATCH_INTERVAL_S = 0.1
 # After a replica finished the job, how long the final checkpoint's writer may take.
 FINAL_WRITE_S = 60.0
 
@@ -37,29 +35,11 @@ class InPlaceRunner:
         self.config_for = config_for  # AttemptSpec -> the train-loop config
         self.actors: dict[int, Any] = {}
         self.stopped = asyncio.Event()
-        self.replica_ids: dict[int, str] = {}
-        self.fenced: list[int] = []  # replicas killed because their heartbeats stopped
 
     async def _fence(self, index: int) -> None:
         actor = self.actors.get(index)
         if actor is not None:
             await asyncio.to_thread(fence, actor)
-
-    async def _watch(self, lighthouse: str, runs: dict[asyncio.Future[Any], int]) -> None:
-        """Fences every replica the lighthouse heard from and then stopped hearing from while
-        its run is in flight: it may be hung inside a collective its peers wait on."""
-        while True:
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            try:
-                fresh = heartbeats(await asyncio.to_thread(read_status, lighthouse))
-            except Exception:  # the lighthouse is shutting down with the attempt
-                continue
-            running = {index for fut, index in runs.items() if not fut.done()}
-            for index in sorted(running - set(self.fenced)):
-                if fresh.get(self.replica_ids.get(index, "")) is False:
-                    log.warning("replica %d stopped heartbeating: fenced", index)
-                    self.fenced.append(index)
-                    await self._fence(index)
 
     def _lighthouse(self) -> Any:
         from torchft.coordination import LighthouseServer
@@ -81,7 +61,6 @@ class InPlaceRunner:
             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
         ).remote()
         self.actors[index] = actor
-        self.replica_ids[index] = f"{config['_elastic']['supervisor']}-r{index}"
         timeout_s = float(self.plan["collective_timeout_s"])
         return actor.run.remote(config, index, lighthouse, timeout_s, joiner)
 
@@ -100,7 +79,7 @@ class InPlaceRunner:
             ] = next_index
             next_index += 1
         stop = asyncio.ensure_future(self.stopped.wait())
-        watch = asyncio.ensure_future(self._watch(address, runs))
+        watch = asyncio.ensure_future(self._watch(address, config["_elastic"]["supervisor"]))
         finished_at: float | None = None
         try:
             while runs:
@@ -145,6 +124,30 @@ class InPlaceRunner:
             for fut in runs:
                 fut.cancel()
             lighthouse.shutdown()
+
+    async def _watch(self, lighthouse: str, supervisor: str) -> None:
+        """When the lighthouse drops a replica (its heartbeats stopped), the survivors'
+        collective with it may never end (a frozen node, a lost node whose process lingers):
+        kill its process, so that it never comes back with a stale view and its sockets
+        reset, and tell every other replica to discard the step in flight. Ray's own word
+        (the actor's death) comes seconds later, and not at all for a frozen process."""
+        detector = LossDetector(HEARTBEAT_TIMEOUT_MS / 1000)
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                ages = await asyncio.to_thread(read_ages, lighthouse)
+            except OSError as e:
+                log.warning("in-place watch: lighthouse status unreadable: %s", e)
+                continue
+            ids = {f"{supervisor}-r{index}": index for index in self.actors}
+            for rid, dropped_for in detector.dropped(ids, ages).items():
+                lost = self.actors.get(ids[rid])
+                log.warning("in-place: replica %s dropped by the lighthouse; aborting", rid)
+                if lost is not None:
+                    await self._fence(ids[rid])
+                for actor in list(self.actors.values()):
+                    if actor is not lost:
+                        actor.abort_step.remote(dropped_for)
 
     def _kill_all(self) -> None:
         for actor in self.actors.values():

@@ -4,6 +4,7 @@ restart, and a node added back joins, healed from a peer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,6 @@ import httpx
 import pytest
 import torch
 
-from elastic.plan import COLLECTIVE_TIMEOUT_S
 from tests.conftest import ClusterPool
 from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     BATCH,
@@ -30,6 +30,16 @@ from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
 )
 
 pytestmark = pytest.mark.ray
+
+# The survivors' longest pause around a loss. A peer whose sockets reset (its process
+# died) fails their all-reduce at once: well under a second. A peer that stops without
+# resetting them (frozen, or its process lingers on a lost node) is detected by the
+# lighthouse's heartbeat timeout (0.5 s, plus up to one 0.1 s heartbeat interval), the
+# supervisor's poll of it (0.1 s) and the abort; the pause also holds the part of the
+# step in flight before the loss and the redone step (0.2-0.3 s each at 3 replicas on
+# this shared 2-core machine): 1.21 s measured, hence 1.5 s and not 1 s.
+LOSS_PAUSE_BOUND_S = 1.5
+JOIN_PAUSE_BOUND_S = 1.0
 
 
 def in_place_job(steps: int) -> dict[str, Any]:
@@ -68,15 +78,6 @@ def replica_pids() -> list[int]:
     return sorted(pids)
 
 
-# Fencing removes the wait on a lost peer: a hung replica is killed once the lighthouse drops
-# it (HEARTBEAT_TIMEOUT_MS), a dead node's replica once Ray reports it, and the survivors'
-# all-reduce fails as its sockets close (1.0-1.2 s pause for a SIGSTOPped replica here). Still a
-# known defect: a survivor whose all-reduce failed first leaves the step while another
-# survivor waits in the same Gloo ring for its data, until the collective timeout (after
-# the node kill in both of two runs: 30.9 s). That, not the heartbeat, is the honest bound here.
-PAUSE_BOUND_S = COLLECTIVE_TIMEOUT_S + 5
-
-
 def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     api: httpx.Client,  # noqa: F811
     pool: ClusterPool,  # noqa: F811
@@ -106,9 +107,16 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     # wait out the collective timeout): fenced, and its replacement joins on the freed slot.
     (hung, *_) = replica_pids()
     os.kill(hung, signal.SIGSTOP)
-    wait_until(api, job["id"], lambda j: j["world_size"] == 2, 30, "the hung replica dropped")
-    wait_until(api, job["id"], lambda j: j["world_size"] == 3, 120, "its replacement joined")
-    done = finish(api, job["id"])
+    try:
+        wait_until(api, job["id"], lambda j: j["world_size"] == 2, 30, "the hung replica dropped")
+        # The supervisor killed the hung process (a stopped process dies of SIGKILL only).
+        wait_until(api, job["id"], lambda j: not stopped(hung), 30, "the hung replica killed")
+        wait_until(api, job["id"], lambda j: j["world_size"] == 3, 120, "its replacement joined")
+        done = finish(api, job["id"])
+    finally:
+        if stopped(hung):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung, signal.SIGKILL)
     assert done["state"] == "succeeded" and done["step"] == steps, done
 
     # No restart: one attempt, the survivors never left it.
@@ -118,9 +126,12 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     print("in place, node loss then hung replica:", losses)
     assert [(x["from_world"], x["to_world"]) for x in losses] == [(3, 2), (3, 2)]
     assert all(x["steps_redone"] <= 1 for x in losses)
-    # Without fencing the hung replica is never killed (Ray counts a stopped process alive):
-    # no replacement is placed and the wait for it above fails.
-    assert all(x["pause_seconds"] < PAUSE_BOUND_S for x in losses), losses
+    # The killed node's peer: its sockets reset and the survivors' all-reduce fails at once,
+    # or, when its process lingers, the lighthouse drops it and the supervisor aborts the
+    # survivors' step. The hung replica: dropped, its step aborted, its process killed
+    # (without that Ray counts a stopped process alive: no replacement, and the wait above
+    # for one fails).
+    assert all(x["pause_seconds"] < LOSS_PAUSE_BOUND_S for x in losses), losses
     # At the start the first replica up forms the quorum alone and the others join it as
     # they come up; after each loss, one replica joins: the node added back, then the hung
     # replica's replacement.
@@ -128,7 +139,7 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     joined = [e["data"] for e in events(api, job["id"], "joined") if e["seq"] > first_loss]
     print("in place, joins:", joined)
     assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)] * 2
-    assert all(j["pause_seconds"] < 1.0 for j in joined), joined
+    assert all(j["pause_seconds"] < JOIN_PAUSE_BOUND_S for j in joined), joined
 
     # Every sample of every epoch went into the model exactly once.
     counted = committed_samples(tmp_path / "checkpoints" / job["id"])
@@ -144,3 +155,10 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     for name, tensor in theirs.items():
         assert tensor.dtype == torch.float64
         torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "T"
+    except OSError:
+        return False
