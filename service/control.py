@@ -241,6 +241,12 @@ class JobControl:
                     await self._purge_old_data()
             except asyncio.CancelledError:
                 raise
+            except RuntimeError as e:
+                # The loop's thread pool is shut down: the process is exiting without the
+                # lifespan's stop(); a traceback per tick would only bury the real output.
+                if "after shutdown" in str(e):
+                    return
+                log.exception("event pump tick failed")
             except Exception:
                 log.exception("event pump tick failed")
             await asyncio.sleep(self.settings.event_poll_interval_s)
