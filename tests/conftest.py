@@ -199,6 +199,21 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2, what: str = 
         time.sleep(interval)
 
 
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+def wait_until_ended(
+    client: httpx.Client, job_id: str, timeout: float = 300, interval: float = 0.2
+) -> dict[str, Any]:
+    """Poll the API until the job is in an end state; its last view."""
+    return wait_for(  # type: ignore[no-any-return]
+        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        timeout,
+        interval,
+        what=f"job {job_id} to end",
+    )
+
+
 def small_job(**hyper: Any) -> dict[str, Any]:
     """The README's example job, adjustable."""
     hp = {

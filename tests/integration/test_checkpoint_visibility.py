@@ -18,9 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ClusterPool, LiveServer, make_settings, small_job, wait_for
+from tests.conftest import (
+    ClusterPool,
+    LiveServer,
+    make_settings,
+    small_job,
+    wait_for,
+    wait_until_ended,
+)
 
-TERMINAL = {"succeeded", "failed", "cancelled"}
 # One more node of the test cluster, as ray.cluster_utils.Cluster.add_node starts one (`ray
 # start` refuses to join a cluster kept on loopback), ended with its processes on SIGTERM.
 NODE = """
@@ -105,9 +111,7 @@ def test_a_directory_one_node_does_not_share_fails_the_job_naming_the_setting(
     with LiveServer(make_settings(tmp_path, checkpoint_dir=str(root))) as live:
         api = live.client()
         job = api.post("/v1/jobs", json=small_job(max_steps=20)).json()
-        done = wait_for(
-            lambda: (j := get(api, job["id"]))["state"] in TERMINAL and j, 120, what="the end"
-        )
+        done = wait_until_ended(api, job["id"], 120)
         assert done["state"] == "failed", done
         items = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["items"]
         assert [e for e in items if e["kind"] == "attempt_started"] == []
@@ -131,9 +135,7 @@ def test_a_shared_directory_passes_and_the_job_succeeds(
     with LiveServer(make_settings(tmp_path, checkpoint_dir=str(root))) as live:
         api = live.client()
         job = api.post("/v1/jobs", json=small_job(max_steps=20)).json()
-        done = wait_for(
-            lambda: (j := get(api, job["id"]))["state"] in TERMINAL and j, 180, what="the end"
-        )
+        done = wait_until_ended(api, job["id"], 180)
         assert done["state"] == "succeeded", done
         assert done["step"] == 20
     assert sorted(p.name for p in (root / job["id"]).iterdir() if p.name.startswith(".")) == []

@@ -28,11 +28,18 @@ from elastic_train import (
     NotFound,
     Unauthorized,
 )
-from tests.conftest import TOKEN, LiveServer, create_user_token, make_settings, small_job, wait_for
+from tests.conftest import (
+    TERMINAL,
+    TOKEN,
+    LiveServer,
+    create_user_token,
+    make_settings,
+    small_job,
+    wait_for,
+)
 
 HOLD_AT = 10
 MAX_STEPS = 50  # the README job's
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,16 @@ import ray
 import torch
 
 from jobs import launcher
-from tests.conftest import NAMESPACE, ClusterPool, LiveServer, make_settings, wait_for
+from tests.conftest import (
+    NAMESPACE,
+    TERMINAL,
+    ClusterPool,
+    LiveServer,
+    make_settings,
+    wait_for,
+    wait_until_ended,
+)
 
-TERMINAL = {"succeeded", "failed", "cancelled"}
 DATASET = 1000
 BATCH = 63  # splits unevenly over 2 workers: shares of 32 and 31
 
@@ -87,12 +94,6 @@ def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: 
     return wait_for(check, timeout, interval=0.1, what=what)
 
 
-def finish(api: httpx.Client, job_id: str) -> dict[str, Any]:
-    return wait_for(
-        lambda: (j := get(api, job_id))["state"] in TERMINAL and j, 300, what="the job to end"
-    )
-
-
 def final_state(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:
     """The newest checkpoint's parameters and SGD momentum buffers, by name."""
     newest = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"][-1]
@@ -138,7 +139,7 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     uninterrupted run's to float64 rounding."""
     steps = 240
     baseline = api.post("/v1/jobs", json=equivalence_job(steps)).json()
-    assert finish(api, baseline["id"])["state"] == "succeeded"
+    assert wait_until_ended(api, baseline["id"])["state"] == "succeeded"
     assert [e["data"]["world_size"] for e in events(api, baseline["id"], "attempt_started")] == [3]
 
     job = api.post("/v1/jobs", json=equivalence_job(steps)).json()
@@ -159,7 +160,7 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
         "training at 2 workers",
     )
     pool.add_node()
-    done = finish(api, job["id"])
+    done = wait_until_ended(api, job["id"])
 
     assert done["state"] == "succeeded" and done["step"] == steps
     assert states(api, job["id"]) == [
@@ -219,7 +220,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(
     newest = sorted(root.glob("step_*"))[-1]
     (newest / "state.pt").write_bytes(b"\0" * (newest / "state.pt").stat().st_size)
     pool.kill_node(pool.pool[0])
-    done = finish(api, job["id"])
+    done = wait_until_ended(api, job["id"])
 
     assert done["state"] == "succeeded" and done["step"] == 400
     corrupt = [e["data"] for e in events(api, job["id"], "checkpoint_corrupt")]
@@ -237,7 +238,7 @@ def test_below_min_workers_the_job_waits_then_fails(api: httpx.Client, pool: Clu
     wait_until(api, job["id"], lambda j: j["state"] == "running", 180, "running")
     pool.kill_node(pool.pool[2])
     wait_until(api, job["id"], lambda j: j["state"] == "recovering", 30, "recovering")
-    done = finish(api, job["id"])
+    done = wait_until_ended(api, job["id"])
     assert done["state"] == "failed"
     assert done["message"] == (
         "only 2 workers of {'CPU': 1.0} fit, below min_workers (3), "
@@ -272,7 +273,7 @@ def test_a_job_that_keeps_failing_stops_after_max_restarts(
     spec["hyperparameters"] |= {"dataset": "imagefolder", "data_path": str(tmp_path / "nope")}
     spec["failure"]["max_restarts"] = 1
     job = api.post("/v1/jobs", json=spec).json()
-    done = finish(api, job["id"])
+    done = wait_until_ended(api, job["id"])
     assert done["state"] == "failed" and done["restarts"] == 1
     # Every rank fails the same way; whichever reports first names itself.
     assert re.match(r"rank [0-2]: FileNotFoundError: ", done["message"])
@@ -289,7 +290,7 @@ def test_a_job_whose_supervisor_dies_goes_on_from_its_checkpoint(
     wait_until(api, job["id"], lambda j: j["step"] >= 25, 180, "two checkpoints")
     supervisor = ray.get_actor(launcher.supervisor_name(job["id"]), namespace=NAMESPACE)
     ray.kill(supervisor, no_restart=True)  # its attempt (owned by it) dies with it
-    done = finish(api, job["id"])
+    done = wait_until_ended(api, job["id"])
 
     assert done["state"] == "succeeded" and done["step"] == steps
     (note,) = [e["data"] for e in events(api, job["id"], "supervisor_recreated")]

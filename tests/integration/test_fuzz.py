@@ -20,10 +20,9 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 from jobs.spec import ENTRYPOINT_PATTERN, JobSpec
 from jobs.workloads import WORKLOADS
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
-from tests.conftest import TOKEN, LiveServer, make_settings, small_job
+from tests.conftest import TERMINAL, TOKEN, LiveServer, make_settings, small_job
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import ClusterPool
+from tests.conftest import ClusterPool, wait_until_ended
 from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     BATCH,
     DATASET,
@@ -24,7 +24,6 @@ from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     elastic_job,
     events,
     final_state,
-    finish,
     pool,
     wait_until,
 )
@@ -88,7 +87,7 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     reference_spec = in_place_job(steps)
     del reference_spec["fault_tolerance"]
     reference = api.post("/v1/jobs", json=reference_spec).json()
-    assert finish(api, reference["id"])["state"] == "succeeded"
+    assert wait_until_ended(api, reference["id"])["state"] == "succeeded"
 
     job = api.post("/v1/jobs", json=in_place_job(steps)).json()
     assert "id" in job, job
@@ -112,7 +111,7 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
         # The supervisor killed the hung process (a stopped process dies of SIGKILL only).
         wait_until(api, job["id"], lambda j: not stopped(hung), 30, "the hung replica killed")
         wait_until(api, job["id"], lambda j: j["world_size"] == 3, 120, "its replacement joined")
-        done = finish(api, job["id"])
+        done = wait_until_ended(api, job["id"])
     finally:
         if stopped(hung):
             with contextlib.suppress(ProcessLookupError):

@@ -12,9 +12,7 @@ import torch
 from ray.util.state import list_actors
 
 from jobs.workloads.image_classification import SmallCNN
-from tests.conftest import LiveServer, make_settings, small_job, wait_for
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
+from tests.conftest import TERMINAL, LiveServer, make_settings, small_job, wait_for
 
 
 def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:

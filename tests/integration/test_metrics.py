@@ -12,11 +12,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import LiveServer, create_user_token, make_settings, small_job, wait_for
+from tests.conftest import (
+    TERMINAL,
+    LiveServer,
+    create_user_token,
+    make_settings,
+    small_job,
+    wait_for,
+    wait_until_ended,
+)
 
 SCRAPE_TOKEN = "scrape-only-secret-for-prometheus"
 HOLD_AT = 10
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +104,7 @@ def test_a_running_job_and_the_requests_that_made_it_show_as_series(
             )
             assert value(running, "etrain_jobs", state="running") == 1
             gate.touch()
-            done = wait_for(
-                lambda: (j := api.get(f"/v1/jobs/{job['id']}").json())["state"] in TERMINAL and j,
-                timeout=120,
-                what="the job to end",
-            )
+            done = wait_until_ended(api, job["id"], 120)
         finally:
             gate.touch()
             if api.get(f"/v1/jobs/{job['id']}").json()["state"] not in TERMINAL:

@@ -12,14 +12,20 @@ import pytest
 import ray
 
 from jobs import launcher
-from tests.conftest import NAMESPACE, LiveServer, make_settings, small_job, wait_for
+from tests.conftest import (
+    NAMESPACE,
+    LiveServer,
+    make_settings,
+    small_job,
+    wait_for,
+    wait_until_ended,
+)
 
 mlflow = pytest.importorskip("mlflow")
 
 EXPERIMENT = "etrain-tests"
 HOLD_AT = 12  # past the checkpoint of step 10, so the second attempt redoes 11 and 12
 STEPS = 30
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture
@@ -69,11 +75,7 @@ def test_a_job_logs_one_run_that_a_recreated_supervisor_continues(
             supervisor = ray.get_actor(launcher.supervisor_name(job["id"]), namespace=NAMESPACE)
             ray.kill(supervisor, no_restart=True)
             gate.touch()
-            done = wait_for(
-                lambda: (j := api.get(f"/v1/jobs/{job['id']}").json())["state"] in TERMINAL and j,
-                timeout=180,
-                what="the job to end",
-            )
+            done = wait_until_ended(api, job["id"], 180)
         finally:
             gate.touch()
         assert done["state"] == "succeeded" and done["step"] == STEPS

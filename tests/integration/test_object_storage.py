@@ -10,10 +10,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ClusterPool, LiveServer, make_settings, small_job, wait_for
+from tests.conftest import (
+    TERMINAL,
+    ClusterPool,
+    LiveServer,
+    make_settings,
+    small_job,
+    wait_for,
+    wait_until_ended,
+)
 from tests.s3_server import S3Server, s3_server
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +55,7 @@ def test_a_job_checkpoints_to_the_bucket_loses_a_node_and_restores_from_it(
             what="training at 3 workers past a checkpoint",
         )
         ray_cluster.kill_node(ray_cluster.pool[1])
-        done = wait_for(
-            lambda: (j := get(api, job["id"]))["state"] in TERMINAL and j, 300, what="the end"
-        )
+        done = wait_until_ended(api, job["id"], 300)
         assert done["state"] == "succeeded", done
         assert done["step"] == 120
         items = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 5000}).json()["items"]

@@ -16,16 +16,17 @@ import pytest
 
 from service.deps import services_of
 from tests.conftest import (
+    TERMINAL,
     TOKEN,
     LiveServer,
     create_user_token,
     make_settings,
     small_job,
     wait_for,
+    wait_until_ended,
 )
 from tests.integration.test_streams import SSE, iter_sse
 
-TERMINAL = {"succeeded", "failed", "cancelled"}
 # Trains for hours unless stopped: every test cancels what it submits.
 LONG = {
     **small_job(max_steps=1_000_000),
@@ -58,14 +59,6 @@ def users(server: LiveServer) -> tuple[httpx.Client, httpx.Client, httpx.Client]
     alice = server.client(create_user_token(admin, "alice"))
     bob = server.client(create_user_token(admin, "bob"))
     return admin, alice, bob
-
-
-def finish(client: httpx.Client, job_id: str, timeout: float = 240) -> dict[str, Any]:
-    return wait_for(
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        timeout,
-        what=f"{job_id} to end",
-    )
 
 
 def cancel_all(admin: httpx.Client) -> None:
@@ -115,7 +108,7 @@ def test_a_cifar10_batch_that_would_run_code_fails_the_job_and_runs_nothing(
     try:
         r = alice.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
-        job = finish(alice, r.json()["id"])
+        job = wait_until_ended(alice, r.json()["id"])
     finally:
         cancel_all(admin)
     assert not marker.exists()  # the payload never ran
@@ -186,7 +179,7 @@ def test_a_finished_run_shows_no_service_path_and_retention_deletes_its_series(
     settings = make_settings(tmp_path, retention_days=4 / 86400)  # 4 s
     with LiveServer(settings) as live, live.client() as client:
         job = client.post("/v1/jobs", json=small_job(max_steps=20)).json()
-        done = finish(client, job["id"])
+        done = wait_until_ended(client, job["id"])
         assert done["state"] == "succeeded"
         answers = [
             client.get(f"/v1/jobs/{job['id']}").text,
@@ -285,7 +278,7 @@ def test_a_job_over_its_owners_wall_time_is_cancelled(secured: LiveServer) -> No
         r = admin.put("/v1/users/alice/limits", json={"max_wall_time_s": 2})
         assert r.status_code == 200, r.text
         job = alice.post("/v1/jobs", json=LONG).json()
-        done = finish(alice, job["id"], timeout=180)
+        done = wait_until_ended(alice, job["id"], timeout=180)
     finally:
         cancel_all(admin)
     assert done["state"] == "cancelled", done
@@ -362,7 +355,7 @@ def test_the_stream_of_an_ended_job_ends_at_once(secured: LiveServer) -> None:
     admin, alice, _ = users(secured)
     job = alice.post("/v1/jobs", json=LONG).json()
     alice.post(f"/v1/jobs/{job['id']}/cancel")
-    last = finish(alice, job["id"])
+    last = wait_until_ended(alice, job["id"])
     events = alice.get(f"/v1/jobs/{job['id']}/events").json()["items"]
     assert last["state"] == "cancelled" and events[-1]["data"]["state"] == "cancelled"
     token = str(alice.headers["authorization"]).split()[1]

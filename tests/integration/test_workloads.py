@@ -16,18 +16,8 @@ from elastic.worker import WorkerContext
 from examples import custom_train_loop
 from jobs.spec import JobSpec
 from jobs.workloads.text_classification import TextEncoderClassifier
-from tests.conftest import LiveServer, wait_for
+from tests.conftest import LiveServer, wait_until_ended
 from tests.workloads import digits, sentiment
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
-
-
-def finish(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
-    return wait_for(
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        timeout,
-        what=f"{job_id} to end",
-    )
 
 
 def metrics(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
@@ -63,7 +53,7 @@ def test_text_classification_trains_sharded_over_2_workers(
     client = server.client()
     r = client.post("/v1/jobs", json=spec)
     assert r.status_code == 201, r.text
-    job = finish(client, r.json()["id"])
+    job = wait_until_ended(client, r.json()["id"])
     assert job["state"] == "succeeded", job
     reports = metrics(client, job["id"])
     steps = 4 * 15  # 480 training reviews, 32 per step
@@ -118,7 +108,7 @@ def test_the_image_workload_learns_real_digits_on_2_workers(
     client = server.client()
     r = client.post("/v1/jobs", json=spec)
     assert r.status_code == 201, r.text
-    job = finish(client, r.json()["id"])
+    job = wait_until_ended(client, r.json()["id"])
     assert job["state"] == "succeeded", job
     evals = [m["eval_accuracy"] for m in metrics(client, job["id"]) if "eval_accuracy" in m]
     assert len(evals) == 10
@@ -185,7 +175,7 @@ def test_a_last_batch_smaller_than_the_world_trains_through(server: LiveServer) 
     client = server.client()
     r = client.post("/v1/jobs", json=spec)
     assert r.status_code == 201, r.text
-    job = finish(client, r.json()["id"])
+    job = wait_until_ended(client, r.json()["id"])
     assert job["state"] == "succeeded", job
     reports = metrics(client, job["id"])
     assert [m["step"] for m in reports] == [1, 2, 3, 4, 5, 6]
