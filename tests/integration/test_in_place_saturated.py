@@ -65,7 +65,9 @@ def test_a_saturated_cpu_raises_no_false_alarm(
         300,
         "training at 3 replicas on the saturated machine",
     )
-    joins_before = len(events(api, job["id"], "joined"))
+    # The replicas that came up after the first joined its quorum (each a joined and a
+    # resized event); from here on, nothing may change.
+    changes_before = len(events(api, job["id"], "resized"))
     spun_before = sum(cpu_seconds(s.pid) for s in saturated_cpu)
     began = time.monotonic()
     while time.monotonic() - began < SATURATED_S:
@@ -86,6 +88,5 @@ def test_a_saturated_cpu_raises_no_false_alarm(
     assert end["step"] > start["step"]
     assert done["state"] == "cancelled"
     assert events(api, job["id"], "worker_lost") == []
-    assert events(api, job["id"], "resized") == []
+    assert len(events(api, job["id"], "resized")) == changes_before
     assert len(events(api, job["id"], "attempt_started")) == 1
-    assert len(events(api, job["id"], "joined")) == joins_before
