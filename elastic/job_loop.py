@@ -198,6 +198,12 @@ class JobLoop:
                     # A drained node goes once it is idle: its workers had paused, and
                     # their group failed only as it ended. The checkpoint they paused at
                     # is verified like any other before the next attempt starts from it.
+                    log.info(
+                        "job %s: its worker group failed as it left drained nodes, "
+                        "after its pause at step %s",
+                        self.plan.job_id,
+                        attempt.paused_at,
+                    )
                     cause, lost = EndCause.PAUSED, set()
                 else:
                     cause = EndCause.NODE_LOST if lost else EndCause.ERROR
@@ -287,6 +293,8 @@ class JobLoop:
             if attempt.paused_at is not None:
                 # Pausing (its checkpoint is published before the workers stop): a drained
                 # node may go as soon as its workers are done, which is no loss.
+                if gone & self._drained(attempt):
+                    log.info("job %s: the drained nodes left as it paused", self.plan.job_id)
                 gone -= self._drained(attempt)
             if gone:
                 names = ", ".join(sorted(g[:12] for g in gone))
