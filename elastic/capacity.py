@@ -8,6 +8,7 @@ in unit tests against a fake one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.policy import workers_that_fit
+
+log = logging.getLogger(__name__)
 
 HEAD_RESOURCE = "node:__internal_head__"
 WATCHER_NAME = "etrain-membership"
@@ -200,8 +203,9 @@ class MembershipWatcher:
         return Snapshot(current.version, current.alive, free, current.draining)
 
     async def _wait(self, after_version: int, timeout_s: float) -> Snapshot:
-        if self.task is None:
-            await self._poll()
+        if self.task is None or self.task.done():
+            if self.task is None:
+                await self._poll()
             self.task = asyncio.get_running_loop().create_task(self._watch())
         deadline = time.monotonic() + min(timeout_s, WAIT_CAP_S)
         while self.current.version <= after_version:
@@ -218,7 +222,13 @@ class MembershipWatcher:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_POLL_S)
-            await self._poll()
+            try:
+                await self._poll()
+            except Exception:
+                # One failed look (a GCS call timing out on a loaded head) must not freeze
+                # the snapshot for every job for the rest of the cluster's life: drains and
+                # free capacity would never be seen again.
+                log.exception("the membership poll failed; polling on")
 
     async def _poll(self) -> None:
         await asyncio.to_thread(remove_orphaned_groups, ray.get_runtime_context().namespace)

@@ -194,7 +194,19 @@ class JobLoop:
                 cause = EndCause.PAUSED if attempt.paused_at is not None else EndCause.FINISHED
             else:
                 lost = await self._lost_nodes(attempt, outcome.dead_ranks)
-                cause = EndCause.NODE_LOST if lost else EndCause.ERROR
+                if lost and attempt.paused_at is not None and lost <= self._drained(attempt):
+                    # A drained node goes once it is idle: its workers had paused, and
+                    # their group failed only as it ended. The checkpoint they paused at
+                    # is verified like any other before the next attempt starts from it.
+                    log.info(
+                        "job %s: its worker group failed as it left drained nodes, "
+                        "after its pause at step %s",
+                        self.plan.job_id,
+                        attempt.paused_at,
+                    )
+                    cause, lost = EndCause.PAUSED, set()
+                else:
+                    cause = EndCause.NODE_LOST if lost else EndCause.ERROR
         elif cause == EndCause.NODE_LOST:
             lost = await self._lost_nodes(attempt, outcome.dead_ranks)
         if cause == EndCause.FINISHED:
@@ -207,8 +219,8 @@ class JobLoop:
         now = self.clock()
         if cause == EndCause.PAUSED:
             step = attempt.paused_at or 0
-            if self.draining is not None and self.draining[0] == attempt.number:
-                nodes = self.draining[1]
+            nodes = self._drained(attempt)
+            if nodes:
                 self.draining = None
                 for node in nodes:  # out of sizing until Ray drops it, like a suspect
                     self.suspects[node] = now
@@ -278,6 +290,12 @@ class JobLoop:
         while not attempt.ended:
             snap = await self._next_snapshot()
             gone = {n for n in attempt.worker_nodes.values() if n not in snap.alive}
+            if attempt.paused_at is not None:
+                # Pausing (its checkpoint is published before the workers stop): a drained
+                # node may go as soon as its workers are done, which is no loss.
+                if gone & self._drained(attempt):
+                    log.info("job %s: the drained nodes left as it paused", self.plan.job_id)
+                gone -= self._drained(attempt)
             if gone:
                 names = ", ".join(sorted(g[:12] for g in gone))
                 self._stop(
@@ -299,6 +317,8 @@ class JobLoop:
             if not self._claim_settled:
                 self._claim_settled = True
                 await self.capacity.settle()
+            if attempt.paused_at is not None:
+                continue  # it is ending: nothing more to notice, nor to grow by
             self._notice_drain(attempt, snap)
             await self._maybe_reserve_growth(attempt, snap)
 
@@ -306,9 +326,10 @@ class JobLoop:
         """A drain notice (a spot preemption, a scale-down) for a node of this attempt: it
         pauses at its next checkpoint, before the node goes, so no step is redone."""
         drained = frozenset(n for n in attempt.worker_nodes.values() if n in snap.draining)
-        if not drained or (self.draining is not None and self.draining[0] == attempt.number):
+        # Looked at on every poll: a second node drained later is left at the same pause.
+        if not drained or drained <= self._drained(attempt):
             return
-        self.draining = (attempt.number, drained)
+        self.draining = (attempt.number, drained | self._drained(attempt))
         deadlines = [snap.draining[n] for n in drained if snap.draining[n] > 0]
         log.info(
             "job %s: nodes %s are draining (deadline %s ms); pausing at the next checkpoint",
@@ -316,6 +337,12 @@ class JobLoop:
             sorted(drained),
             min(deadlines) if deadlines else None,
         )
+
+    def _drained(self, attempt: Attempt) -> frozenset[str]:
+        """The attempt's nodes that a drain notice is for (it pauses to leave them)."""
+        if self.draining is not None and self.draining[0] == attempt.number:
+            return self.draining[1]
+        return frozenset()
 
     async def _watch_in_place(self, attempt: Attempt) -> None:
         """In place, a node loss ends nothing: the replicas' quorum goes on without it and
@@ -371,8 +398,7 @@ class JobLoop:
         current = self.attempt
         if current is None or attempt != current.number:
             return False
-        drain = self.draining is not None and self.draining[0] == attempt
-        if current.grow_to is None and not drain:
+        if current.grow_to is None and not self._drained(current):
             return False
         if self.cancelled:
             return False

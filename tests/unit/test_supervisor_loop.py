@@ -688,3 +688,34 @@ def test_a_drained_node_pauses_the_job_at_its_next_checkpoint_and_it_resizes_off
         assert h.states() == ["starting", "running", "succeeded"]
 
     run(body)
+
+
+def test_a_drained_node_that_goes_once_its_workers_paused_is_no_loss() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        h = Harness(cluster)
+        h.start()
+        await h.workers_start(1, step=1)
+        drained = h.runner.nodes[2]
+        cluster.draining[drained] = 2_000_000
+        cluster.bump()
+        await h.until(lambda: h.loop.draining is not None, "the drain noticed")
+        h.saved(1, 15)
+        assert h.loop.should_pause(1, 15)
+        # Ray ends a drained node as soon as it is idle: here before the worker group's end
+        # reaches the supervisor, which then reports the group's failure on the way out.
+        cluster.kill(drained)
+        await asyncio.sleep(0.05)  # polls of the membership, which now lacks the node
+        assert h.runner.stops == 0
+        h.runner.end(AttemptOutcome(error="a worker died", dead_ranks=[2]))
+        assert await h.attempt(2) == AttemptSpec(2, 2, "/c/step_15")
+        await h.workers_start(2, step=16)
+        (resized,) = h.of("resized")
+        assert (resized["from_world"], resized["to_world"], resized["steps_redone"]) == (3, 2, 0)
+        assert resized["reason"] == "drain"
+        assert h.of("worker_lost") == [] and h.of("restored") == []
+        assert h.states() == ["starting", "running"]
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)

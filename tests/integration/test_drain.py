@@ -1,0 +1,130 @@
+"""A drain notice (Ray's DrainNode with a deadline, what a spot preemption or a KubeRay
+scale-down sends) for a node that holds one of a job's workers: the job pauses at its next
+checkpoint and carries on without that node, before the deadline, redoing no step.
+
+Ray ends a drained node as soon as it is idle: here within a second of the pause, while the
+supervisor still waits for the paused worker group's end (which may fail with the node)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import POOL_SIZE, ClusterPool, LiveServer, make_settings, small_job, wait_for
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+# The drain's deadline: what a spot notice gives (2 min on AWS, 30 s on GCP) is beyond the
+# pause and restart here, so the job must be off the node well before it.
+DEADLINE_S = 120
+
+
+def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
+    r = api.get(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200, r.text
+    job: dict[str, Any] = r.json()
+    assert job["state"] not in TERMINAL, job  # only the test ends it
+    return job
+
+
+def events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = api.get(
+        f"/v1/jobs/{job_id}/events", params={"limit": 5000}
+    ).json()["items"]
+    return items
+
+
+def workers_of(api: httpx.Client, job_id: str) -> dict[str, str]:
+    """rank -> node id of the job's live attempt, as GET /v1/cluster tells its owner."""
+    (job,) = [j for j in api.get("/v1/cluster").json()["jobs"] if j["id"] == job_id]
+    workers: dict[str, str] = job["workers"]
+    return workers
+
+
+def drain(node_id: str, deadline_ms: int) -> None:
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)  # type: ignore[attr-defined]
+    accepted, why = gcs.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),  # type: ignore[attr-defined]
+        "preempted by the test",
+        deadline_ms,
+    )
+    assert accepted, why
+
+
+def test_a_drained_node_is_left_at_the_next_checkpoint_with_no_step_redone(
+    ray_cluster: ClusterPool, tmp_path: Path
+) -> None:
+    import ray
+
+    ray_cluster.restore_pool()
+    # Exactly the pool's nodes take workers: a drained one leaves room for 2, not 3.
+    assert sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == POOL_SIZE
+    spec = small_job(max_steps=1_000_000)  # it runs until the test cancels it
+    spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
+    spec["checkpoint"] = {"every_steps": 5, "keep": 2}
+    victim = None
+    try:
+        with LiveServer(make_settings(tmp_path)) as live:
+            api = live.client()
+            job = api.post("/v1/jobs", json=spec).json()
+            jid = job["id"]
+            wait_for(
+                lambda: (
+                    (j := get(api, jid))["state"] == "running"
+                    and j["world_size"] == 3
+                    and len(workers_of(api, jid)) == 3
+                ),
+                180,
+                interval=0.2,
+                what="training at 3 workers",
+            )
+            node_id = workers_of(api, jid)["1"]
+            (victim,) = [n for n in ray_cluster.pool if n.node_id == node_id]
+            deadline_ms = int((time.time() + DEADLINE_S) * 1000)
+            drain(node_id, deadline_ms)
+
+            def drained() -> dict[str, Any] | None:
+                get(api, jid)
+                page = api.get(f"/v1/jobs/{jid}/events", params={"kind": "resized"})
+                # A grow to 3 may come first: the drain's resize is the one with a reason.
+                return next((e for e in page.json()["items"] if "reason" in e["data"]), None)
+
+            try:
+                resized = wait_for(drained, DEADLINE_S - 10, what="the resize off the node")
+            except AssertionError as e:
+                timeline = [(x["time"], x["kind"], x["data"]) for x in events(api, jid)]
+                raise AssertionError(f"{e}; the job's events: {timeline[-40:]}") from None
+            assert time.time() * 1000 < deadline_ms  # before the node goes
+            data = resized["data"]
+            assert (data["reason"], data["from_world"], data["to_world"]) == ("drain", 3, 2)
+            assert data["steps_redone"] == 0, data
+            resumed = data["checkpoint_step"]
+            after = wait_for(
+                lambda: (j := get(api, jid))["step"] > resumed + 2 and j, 60, what="training on"
+            )
+            assert after["world_size"] == 2, after
+            placed = workers_of(api, jid)
+            assert sorted(placed) == ["0", "1"] and node_id not in placed.values(), placed
+            seen = events(api, jid)
+            kinds = [e["kind"] for e in seen]
+            assert "worker_lost" not in kinds and "restored" not in kinds, kinds
+            # One attempt after the drain, from the checkpoint it paused at (a grow to 3
+            # may have made one more before it).
+            started = [e["data"] for e in seen if e["kind"] == "attempt_started"]
+            assert started[-1] == {
+                "attempt": len(started),
+                "world_size": 2,
+                "checkpoint_step": resumed,
+            }
+            assert [d["world_size"] for d in started[:-1]][-1:] == [3], started
+            assert api.post(f"/v1/jobs/{jid}/cancel").json()["state"] == "cancelled"
+    finally:
+        if victim is not None and victim in ray_cluster.pool:
+            ray_cluster.kill_node(victim)  # a drained node does not come back
+        ray_cluster.restore_pool()
