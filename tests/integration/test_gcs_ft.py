@@ -234,6 +234,7 @@ def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: P
         # The GCS's state is in Redis, under this head's namespace.
         keys = _redis("KEYS", f"*{redis_head.namespace}*")
         assert keys.startswith(b"*") and keys != b"*0\r\n", keys
+        (head_node,) = [n["node_id"] for n in api.get("/v1/cluster").json()["nodes"]]
         start_gcs = _kill_gcs(redis_head)
         at_kill = api.get(f"/v1/jobs/{job_id}").json()
         assert at_kill["state"] == "running" and at_kill["step"] < 150, at_kill
@@ -255,7 +256,9 @@ def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: P
         # The restarted GCS serves the cluster: it knows the head's raylet, which lived on.
         assert redis_head.gcs_pid() == new_gcs
         nodes = api.get("/v1/cluster").json()["nodes"]
-        assert [(n["address"], n["total"]["CPU"]) for n in nodes] == [("127.0.0.1", 2.0)]
+        assert [(n["node_id"], n["alive"], n["total"]["CPU"]) for n in nodes] == [
+            (head_node, True, 2.0)
+        ]
         # The job never noticed: one supervisor, one attempt, no restore, every step once.
         events = _events(api, job_id)
         kinds = [e["kind"] for e in events]
