@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +140,7 @@ def redis_head() -> Iterator[Head]:
         from ray._private.gcs_utils import cleanup_redis_storage
 
         cleanup_redis_storage(REDIS[0], REDIS[1], "", False, namespace)
+        shutil.rmtree(temp, ignore_errors=True)
         assert _redis("KEYS", f"*{namespace}*") == b"*0\r\n"
 
 
