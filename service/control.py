@@ -396,20 +396,25 @@ class JobControl:
         )
 
     async def _recreate_or_fail(self, job: JobRow, why: str) -> None:
-        """A job whose supervisor died goes on from its latest checkpoint under a new one
-        (which says so in an event); without checkpoints, it fails with ``why``."""
+        """A job whose supervisor died goes on under a new one, from its latest checkpoint,
+        or from step 0 when it saved none (the new supervisor says which in an event); one
+        re-created MAX_RECREATIONS times already fails with ``why``."""
+        times = self._recreated.get(job.id, 0)
+        if times >= MAX_RECREATIONS:
+            why = f"{why}; it was re-created {times} times already"
+            await self._end_without_supervisor(job.id, JobState.FAILED, why)
+            return
         has = await asyncio.to_thread(
             launcher.has_checkpoints, self.settings.resolved_checkpoint_dir, job.id
         )
-        times = self._recreated.get(job.id, 0)
-        if not has or times >= MAX_RECREATIONS:
-            if has:
-                why = f"{why}; it was re-created {times} times already"
-            await self._end_without_supervisor(job.id, JobState.FAILED, why)
-            return
         self._recreated[job.id] = times + 1
         self._missing_since.pop(job.id, None)
-        log.warning("%s: %s; re-creating it from its latest checkpoint", job.id, why)
+        log.warning(
+            "%s: %s; re-creating it from %s",
+            job.id,
+            why,
+            "its latest checkpoint" if has else "step 0 (it saved no checkpoint)",
+        )
         resume = launcher.Resume(job.state, job.step or 0, job.world_size or 0)
         await self._launch(job, resume)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -323,6 +324,42 @@ def _session_processes(sid: int) -> list[str]:
     return found
 
 
+def _kill_and_restart_until_the_job_ends(
+    service: Service, api: httpx.Client, job_id: str
+) -> dict[str, Any]:
+    """SIGKILL the service mid-job, start it again on the same data, and wait for the job's
+    end."""
+    old = service.proc
+    assert old is not None
+    old.send_signal(signal.SIGKILL)
+    old.wait()
+    # Nothing of the old instance trains on: Ray's processes share the service's fate.
+    wait_for(
+        lambda: not _session_processes(old.pid),
+        timeout=60,
+        what=f"the killed service's Ray processes to end: {_session_processes(old.pid)}",
+    )
+    service.start()
+    job: dict[str, Any] = wait_for(
+        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        timeout=300,
+        interval=1,
+        what="the job to end after the restart",
+    )
+    return job
+
+
+def _events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = api.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
+        events += page.json()["items"]
+        if page.json()["next_after"] == after:
+            return events
+        after = page.json()["next_after"]
+
+
 def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> None:
     """The embedded Ray ends with the service; a job that was running resumes from its
     latest checkpoint when the service comes back, and its steps end at max_steps."""
@@ -336,32 +373,9 @@ def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> N
         what="a first checkpoint",
     )
     assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
-    old = service.proc
-    assert old is not None
-    old.send_signal(signal.SIGKILL)
-    old.wait()
-    # Nothing of the old instance trains on: Ray's processes share the service's fate.
-    wait_for(
-        lambda: not _session_processes(old.pid),
-        timeout=60,
-        what=f"the killed service's Ray processes to end: {_session_processes(old.pid)}",
-    )
-    service.start()
-    job = wait_for(
-        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        timeout=300,
-        interval=1,
-        what="the job to end after the restart",
-    )
+    job = _kill_and_restart_until_the_job_ends(service, api, job_id)
     assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 400, 400)
-    events: list[dict[str, Any]] = []
-    after = 0
-    while True:
-        page = api.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
-        events += page.json()["items"]
-        if page.json()["next_after"] == after:
-            break
-        after = page.json()["next_after"]
+    events = _events(api, job_id)
     kinds = [e["kind"] for e in events]
     assert "supervisor_recreated" in kinds, kinds
     last_restore = len(kinds) - 1 - kinds[::-1].index("restored")
@@ -370,3 +384,42 @@ def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> N
     # After the restore, each step is reported once, in order, up to max_steps.
     steps = [e["data"]["step"] for e in events[last_restore:] if e["kind"] == "metrics"]
     assert steps == sorted(set(steps)) and steps[0] > resumed_at and steps[-1] == 400
+
+
+def test_a_job_killed_before_its_first_checkpoint_starts_over_from_step_0(
+    service: Service,
+) -> None:
+    """With no checkpoint to resume from, the new supervisor says so and trains from step 0;
+    the steps after the restart are 1..max_steps, each once."""
+    api = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"})
+    spec = small_job(max_steps=120)
+    spec["name"] = "no-checkpoint"
+    spec["checkpoint"] = {"every_steps": 100_000, "keep": 1}
+    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    reached = wait_for(
+        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["step"] > 0 and j,
+        timeout=180,
+        what="the job's first steps",
+    )
+    assert reached["state"] == "running"
+    job = _kill_and_restart_until_the_job_ends(service, api, job_id)
+    assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 120, 120)
+    events = _events(api, job_id)
+    kinds = [e["kind"] for e in events]
+    recreated = kinds.index("supervisor_recreated")
+    assert events[recreated]["data"]["checkpoint_step"] is None
+    said = [
+        e["data"]["reason"]
+        for e in events[recreated:]
+        if e["kind"] == "state" and e["data"]["state"] == "recovering"
+    ]
+    assert len(said) == 1, said
+    told = re.fullmatch(
+        r"the job's supervisor was lost; a new one resumes it from step 0 "
+        r"\(no checkpoint was saved; step (\d+) was reached\)",
+        said[0],
+    )
+    assert told and int(told[1]) >= reached["step"], said
+    assert "restored" not in kinds[recreated:]
+    steps = [e["data"]["step"] for e in events[recreated:] if e["kind"] == "metrics"]
+    assert steps == list(range(1, 121))

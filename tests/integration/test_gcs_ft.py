@@ -1,0 +1,279 @@
+"""Head-node fault tolerance (GCS FT) against a real Redis: a Ray head started with its GCS
+state in Redis (`RAY_REDIS_ADDRESS`, as KubeRay's gcsFaultToleranceOptions sets it), the
+GCS process SIGKILLed mid-job and started again with its own command line and environment
+(what restarting the head's GCS does), and the service's job still ends `succeeded` with
+every step counted once.
+
+Needs a Redis on 127.0.0.1:6379 (the development and CI machines run one); skipped, saying
+so, where there is none. The head uses a Redis namespace of its own, deleted at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import TOKEN, free_port, small_job, wait_for
+
+REDIS = ("127.0.0.1", 6379)
+ROOT = Path(__file__).resolve().parents[2]
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def _redis(*args: str) -> bytes:
+    """One command's raw reply (RESP) from the Redis at REDIS."""
+    request = f"*{len(args)}\r\n" + "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
+    with socket.create_connection(REDIS, timeout=2) as conn:
+        conn.sendall(request.encode())
+        reply = b""
+        while not reply.endswith(b"\r\n"):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        return reply
+
+
+def _redis_answers() -> bool:
+    try:
+        return _redis("PING") == b"+PONG\r\n"
+    except OSError:
+        return False
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
+    return env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _session(sid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    found.append(int(entry.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return found
+
+
+@dataclass
+class Head:
+    address: str
+    namespace: str
+    sessions: list[int]
+
+    def gcs_pid(self) -> int:
+        for pid in (p for sid in self.sessions for p in _session(sid)):
+            try:
+                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if argv0.endswith(b"/gcs_server"):
+                return pid
+        raise AssertionError("the head has no gcs_server process")
+
+
+@pytest.fixture(scope="module")
+def redis_head() -> Iterator[Head]:
+    """A Ray head (not blocking: `ray start --block` kills the whole head when one of its
+    processes dies) whose GCS keeps its state in Redis."""
+    if not _redis_answers():
+        pytest.skip(
+            "GCS fault tolerance needs a Redis on 127.0.0.1:6379 (the development and CI "
+            "machines run one); none answers here"
+        )
+    namespace = f"etrain-gcsft-{uuid.uuid4().hex[:12]}"
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="egcs-", dir="/tmp")  # Ray's socket paths must be short
+    env = _clean_env() | {
+        "RAY_REDIS_ADDRESS": f"{REDIS[0]}:{REDIS[1]}",
+        "RAY_external_storage_namespace": namespace,
+        # `ray start` turns token auth on by itself when ~/.ray/auth_token exists (any earlier
+        # `ray get-auth-token --generate` leaves one); this head is about GCS FT only.
+        "RAY_AUTH_MODE": "disabled",
+    }
+    ray = str(Path(sys.executable).with_name("ray"))
+    start = subprocess.Popen(
+        [
+            ray,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--temp-dir={temp}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    head = Head(f"127.0.0.1:{port}", namespace, [start.pid])
+    try:
+        assert start.wait(timeout=180) == 0, "ray start --head failed"
+        yield head
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in (p for sid in head.sessions for p in _session(sid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            time.sleep(1)
+        from ray._private.gcs_utils import cleanup_redis_storage
+
+        cleanup_redis_storage(REDIS[0], REDIS[1], "", False, namespace)
+        shutil.rmtree(temp, ignore_errors=True)
+        assert _redis("KEYS", f"*{namespace}*") == b"*0\r\n"
+
+
+def _kill_gcs(head: Head) -> Callable[[], int]:
+    """SIGKILL the head's GCS; returns what starts it again as it was started (same program,
+    arguments, environment and working directory) and gives the new process's pid."""
+    pid = head.gcs_pid()
+    proc = Path(f"/proc/{pid}")
+    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
+    env = dict(
+        item.decode().split("=", 1)
+        for item in (proc / "environ").read_bytes().split(b"\0")
+        if b"=" in item
+    )
+    cwd = os.readlink(proc / "cwd")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 30, what="the GCS to die")
+
+    def start_again() -> int:
+        again = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        head.sessions.append(again.pid)
+        return again.pid
+
+    return start_again
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _serve(tmp: Path, address: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = free_port()
+    env = _clean_env() | {
+        "ETRAIN_PORT": str(port),
+        "ETRAIN_DATA_DIR": str(tmp / "service"),
+        "ETRAIN_CHECKPOINT_DIR": str(tmp / "checkpoints"),
+        "ETRAIN_API_TOKEN": TOKEN,
+        "ETRAIN_RAY_ADDRESS": address,
+        "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+    }
+    log = tmp / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("etrain")), "serve"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = api.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
+        events += page.json()["items"]
+        if page.json()["next_after"] == after:
+            return events
+        after = page.json()["next_after"]
+
+
+def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: Path) -> None:
+    proc, url, log = _serve(tmp_path, redis_head.address)
+    try:
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                return api.get("/readyz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
+        job_id = api.post("/v1/jobs", json=small_job(max_steps=200)).json()["id"]
+        wait_for(
+            lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["step"] >= 20 and j,
+            timeout=180,
+            what="the job to train a while",
+        )
+        # The GCS's state is in Redis, under this head's namespace.
+        keys = _redis("KEYS", f"*{redis_head.namespace}*")
+        assert keys.startswith(b"*") and keys != b"*0\r\n", keys
+        (head_node,) = [n["node_id"] for n in api.get("/v1/cluster").json()["nodes"]]
+        start_gcs = _kill_gcs(redis_head)
+        at_kill = api.get(f"/v1/jobs/{job_id}").json()
+        assert at_kill["state"] == "running" and at_kill["step"] < 150, at_kill
+        # With no GCS, the job trains on and the service still collects its steps (they
+        # go from the workers to the supervisor to the service, none through the GCS).
+        wait_for(
+            lambda: api.get(f"/v1/jobs/{job_id}").json()["step"] >= at_kill["step"] + 10,
+            timeout=40,
+            what="the job to train on while the GCS is down",
+        )
+        new_gcs = start_gcs()
+        job = wait_for(
+            lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+            timeout=300,
+            interval=1,
+            what="the job to end after the GCS restart",
+        )
+        assert (job["state"], job["step"]) == ("succeeded", 200), job
+        # The restarted GCS serves the cluster: it knows the head's raylet, which lived on.
+        assert redis_head.gcs_pid() == new_gcs
+        nodes = api.get("/v1/cluster").json()["nodes"]
+        assert [(n["node_id"], n["alive"], n["total"]["CPU"]) for n in nodes] == [
+            (head_node, True, 2.0)
+        ]
+        # The job never noticed: one supervisor, one attempt, no restore, every step once.
+        events = _events(api, job_id)
+        kinds = [e["kind"] for e in events]
+        states = [e["data"]["state"] for e in events if e["kind"] == "state"]
+        assert states == ["queued", "starting", "running", "succeeded"], states
+        assert kinds.count("attempt_started") == 1, kinds
+        assert not {"restored", "supervisor_recreated", "resized"} & set(kinds), kinds
+        steps = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
+        assert steps == list(range(1, 201)), steps
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
