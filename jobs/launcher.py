@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +12,7 @@ import ray
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
-from elastic import capacity
+from elastic import capacity, policy
 from elastic.checkpoints import CheckpointDir
 from elastic.supervisor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
@@ -117,8 +117,12 @@ def supervisor_name(job_id: str) -> str:
     return ACTOR_PREFIX + job_id
 
 
-def max_workers_ever(spec: JobSpec) -> int:
-    return capacity.workers_ever(spec.scaling.worker_resources())
+def max_workers_ever(spec: JobSpec, nodes: Iterable[Mapping[str, float]] | None = None) -> int:
+    """How many of the spec's workers the cluster could hold if it ran nothing else: on
+    ``nodes`` (each node's total resources) when given, else as Ray reports them now."""
+    if nodes is None:
+        return capacity.workers_ever(spec.scaling.worker_resources())
+    return policy.workers_that_fit(nodes, spec.scaling.worker_resources())
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ not a prediction: a job under it may still not fit, one over it certainly does n
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,13 +100,18 @@ def estimate(spec: Any) -> MemoryEstimate | None:
     return None
 
 
-def largest_node_memory(resources: Mapping[str, float]) -> float | None:
+def largest_node_memory(
+    resources: Mapping[str, float], nodes: Iterable[Mapping[str, float]] | None = None
+) -> float | None:
     """Bytes of Ray's ``memory`` resource on the biggest live node that could hold one worker
-    asking for ``resources``; None when Ray reports no memory."""
-    from elastic.capacity import total_per_node
+    asking for ``resources``, among ``nodes`` (each node's total resources; default: as Ray
+    reports them now); None when Ray reports no memory."""
+    if nodes is None:
+        from elastic.capacity import total_per_node
 
+        nodes = total_per_node().values()
     best: float | None = None
-    for node in total_per_node().values():
+    for node in nodes:
         if all(node.get(k, 0.0) >= v for k, v in resources.items()) and "memory" in node:
             best = max(best or 0.0, float(node["memory"]))
     return best

@@ -16,7 +16,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from jobs import isolation, launcher, memory
+from jobs import cluster, isolation, launcher, memory
 from jobs.spec import JobSpec
 from jobs.state import JobState
 from jobs.workloads.data_paths import DataAccess, PathRefused
@@ -68,6 +68,8 @@ class JobControl:
         self._launches: asyncio.Queue[str] = asyncio.Queue()
         self._to_launch: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
+        # The nodes' totals for the fit and memory checks, refreshed in the background.
+        self.cluster = cluster.ResourceView()
 
     # -- commands -----------------------------------------------------------------------
 
@@ -100,15 +102,12 @@ class JobControl:
             )
             raise _invalid("scaling.cpus_per_worker", message, limit="min_cpus_per_worker")
         spec = self._authorize_data_paths(spec, owner)
-        most = launcher.max_workers_ever(spec)
-        if most < spec.scaling.min_workers:
-            need = spec.scaling.worker_resources()
-            message = (
-                f"min_workers is {spec.scaling.min_workers} but this cluster can hold at "
-                f"most {most} workers of {need}"
-            )
-            raise _invalid("scaling.min_workers", message)
-        self._check_memory(spec)
+        refused = self._refused_by_cluster(spec, self.cluster.nodes())
+        if refused is not None:
+            # The view may predate a node that just joined: refuse only on Ray's answer now.
+            refused = self._refused_by_cluster(spec, self.cluster.refresh())
+        if refused is not None:
+            raise refused
         limits = UserLimits.of(self.settings, self.store.user_limits(owner))
         held = Usage.total(j.spec for j in self.store.active_jobs(owner))
         quotas.check(owner, limits, held, spec)
@@ -126,23 +125,33 @@ class JobControl:
         except PathRefused as e:
             raise _invalid(e.field, e.message, limit="data_roots") from None
 
-    def _check_memory(self, spec: JobSpec) -> None:
+    def _refused_by_cluster(self, spec: JobSpec, nodes: cluster.NodeTotals) -> Problem | None:
+        """Why a cluster of ``nodes`` (their total resources) could never run the spec: too
+        few nodes for min_workers, or no node with a worker's floor of memory."""
+        most = launcher.max_workers_ever(spec, nodes)
+        if most < spec.scaling.min_workers:
+            message = (
+                f"min_workers is {spec.scaling.min_workers} but this cluster can hold at "
+                f"most {most} workers of {spec.scaling.worker_resources()}"
+            )
+            return _invalid("scaling.min_workers", message)
         need = memory.estimate(spec)
         if need is None:
-            return
-        have = memory.largest_node_memory(spec.scaling.worker_resources())
+            return None
+        have = memory.largest_node_memory(spec.scaling.worker_resources(), nodes)
         if have is not None and need.total > have:
             message = (
                 f"a worker needs {need.describe()}, more than the "
                 f"{have / memory.GIB:.2f} GiB of memory of the largest node that could hold it"
             )
-            raise Problem(
+            return Problem(
                 422,
                 "Job does not fit in memory",
                 f"hyperparameters: {message}",
                 errors=[{"field": "hyperparameters", "message": message}],
                 limit="node_memory",
             )
+        return None
 
     async def submit_once(
         self, spec: JobSpec, owner: str, idempotency_key: str | None
@@ -219,7 +228,11 @@ class JobControl:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run()), loop.create_task(self._launch_queued())]
+        self._tasks = [
+            loop.create_task(self._run()),
+            loop.create_task(self._launch_queued()),
+            loop.create_task(self.cluster.keep_fresh()),
+        ]
 
     async def stop(self) -> None:
         for task in self._tasks:
