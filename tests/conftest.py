@@ -214,6 +214,18 @@ def wait_until_ended(
     )
 
 
+def all_events(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    """Every event of a job, page after page."""
+    events: list[dict[str, Any]] = []
+    after = 0
+    while True:
+        page = client.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
+        events += page.json()["items"]
+        if page.json()["next_after"] == after:
+            return events
+        after = page.json()["next_after"]
+
+
 def small_job(**hyper: Any) -> dict[str, Any]:
     """The README's example job, adjustable."""
     hp = {

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import TOKEN, free_port, small_job, wait_for
+from tests.conftest import TOKEN, all_events, free_port, small_job, wait_for
 from tests.e2e.test_image_recipe import ROOT, copy_sources, stages
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -349,17 +349,6 @@ def _kill_and_restart_until_the_job_ends(
     return job
 
 
-def _events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    after = 0
-    while True:
-        page = api.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
-        events += page.json()["items"]
-        if page.json()["next_after"] == after:
-            return events
-        after = page.json()["next_after"]
-
-
 def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> None:
     """The embedded Ray ends with the service; a job that was running resumes from its
     latest checkpoint when the service comes back, and its steps end at max_steps."""
@@ -375,7 +364,7 @@ def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> N
     assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
     job = _kill_and_restart_until_the_job_ends(service, api, job_id)
     assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 400, 400)
-    events = _events(api, job_id)
+    events = all_events(api, job_id)
     kinds = [e["kind"] for e in events]
     assert "supervisor_recreated" in kinds, kinds
     last_restore = len(kinds) - 1 - kinds[::-1].index("restored")
@@ -404,7 +393,7 @@ def test_a_job_killed_before_its_first_checkpoint_starts_over_from_step_0(
     assert reached["state"] == "running"
     job = _kill_and_restart_until_the_job_ends(service, api, job_id)
     assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 120, 120)
-    events = _events(api, job_id)
+    events = all_events(api, job_id)
     kinds = [e["kind"] for e in events]
     recreated = kinds.index("supervisor_recreated")
     assert events[recreated]["data"]["checkpoint_step"] is None

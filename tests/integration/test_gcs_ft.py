@@ -22,12 +22,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import TOKEN, free_port, small_job, wait_for
+from tests.conftest import TOKEN, all_events, free_port, small_job, wait_for
+from tests.ray_head import clean_env, head_command, serve_env
 
 REDIS = ("127.0.0.1", 6379)
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +53,6 @@ def _redis_answers() -> bool:
         return _redis("PING") == b"+PONG\r\n"
     except OSError:
         return False
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
-    return env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _session(sid: int) -> list[int]:
@@ -101,27 +96,15 @@ def redis_head() -> Iterator[Head]:
     namespace = f"etrain-gcsft-{uuid.uuid4().hex[:12]}"
     port = free_port()
     temp = tempfile.mkdtemp(prefix="egcs-", dir="/tmp")  # Ray's socket paths must be short
-    env = _clean_env() | {
+    env = clean_env() | {
         "RAY_REDIS_ADDRESS": f"{REDIS[0]}:{REDIS[1]}",
         "RAY_external_storage_namespace": namespace,
         # `ray start` turns token auth on by itself when ~/.ray/auth_token exists (any earlier
         # `ray get-auth-token --generate` leaves one); this head is about GCS FT only.
         "RAY_AUTH_MODE": "disabled",
     }
-    ray = str(Path(sys.executable).with_name("ray"))
     start = subprocess.Popen(
-        [
-            ray,
-            "start",
-            "--head",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-            f"--temp-dir={temp}",
-        ],
+        head_command(port, temp, block=False),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -183,14 +166,7 @@ def _zombie(pid: int) -> bool:
 
 def _serve(tmp: Path, address: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
-    env = _clean_env() | {
-        "ETRAIN_PORT": str(port),
-        "ETRAIN_DATA_DIR": str(tmp / "service"),
-        "ETRAIN_CHECKPOINT_DIR": str(tmp / "checkpoints"),
-        "ETRAIN_API_TOKEN": TOKEN,
-        "ETRAIN_RAY_ADDRESS": address,
-        "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
-    }
+    env = serve_env(tmp, address, port)
     log = tmp / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -201,17 +177,6 @@ def _serve(tmp: Path, address: str) -> tuple[subprocess.Popen[bytes], str, Path]
             stderr=subprocess.STDOUT,
         )
     return proc, f"http://127.0.0.1:{port}", log
-
-
-def _events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    after = 0
-    while True:
-        page = api.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
-        events += page.json()["items"]
-        if page.json()["next_after"] == after:
-            return events
-        after = page.json()["next_after"]
 
 
 def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: Path) -> None:
@@ -262,7 +227,7 @@ def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: P
             (head_node, True, 2.0)
         ]
         # The job never noticed: one supervisor, one attempt, no restore, every step once.
-        events = _events(api, job_id)
+        events = all_events(api, job_id)
         kinds = [e["kind"] for e in events]
         states = [e["data"]["state"] for e in events if e["kind"] == "state"]
         assert states == ["queued", "starting", "running", "succeeded"], states

@@ -18,17 +18,10 @@ import httpx
 import pytest
 
 from tests.conftest import TOKEN, free_port, small_job, wait_for
+from tests.ray_head import clean_env, head_command, serve_env
 
 RAY_TOKEN = "elastic-train-test-ray-token-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _clean_env() -> dict[str, str]:
-    """This process's environment without any Ray or service settings of the test session,
-    with Ray kept on loopback addresses (as jobs.launcher.keep_ray_on_loopback does): the
-    head and the service's driver must agree on the node's address."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
-    return env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +30,12 @@ def token_head() -> Iterator[str]:
     port = free_port()
     # Ray's socket paths must stay short: a fresh directory right under /tmp.
     temp = tempfile.mkdtemp(prefix="etok-", dir="/tmp")
-    env = _clean_env() | {
+    env = clean_env() | {
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN": RAY_TOKEN,
     }
-    ray = str(Path(sys.executable).with_name("ray"))
     head = subprocess.Popen(
-        [
-            ray,
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--ray-client-server-port={free_port()}",
-            f"--temp-dir={temp}",
-        ],
+        head_command(port, temp, block=True),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -86,14 +66,7 @@ def token_head() -> Iterator[str]:
 
 def _serve(tmp: Path, address: str, ray_token: str | None) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
-    env = _clean_env() | {
-        "ETRAIN_PORT": str(port),
-        "ETRAIN_DATA_DIR": str(tmp / "service"),
-        "ETRAIN_CHECKPOINT_DIR": str(tmp / "checkpoints"),
-        "ETRAIN_API_TOKEN": TOKEN,
-        "ETRAIN_RAY_ADDRESS": address,
-        "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
-    }
+    env = serve_env(tmp, address, port)
     if ray_token is not None:
         env["ETRAIN_RAY_AUTH_TOKEN"] = ray_token
     etrain = str(Path(sys.executable).with_name("etrain"))
