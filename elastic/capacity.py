@@ -104,11 +104,6 @@ def total_per_node() -> dict[str, dict[str, float]]:
     return dict(ray_state.total_resources_per_node())
 
 
-def workers_ever(per_worker: Mapping[str, float]) -> int:
-    """How many such workers the cluster could hold if it ran nothing else."""
-    return workers_that_fit(total_per_node().values(), per_worker)
-
-
 def actor_alive(actor_id: str) -> bool:
     """Whether the actor lives or will again (restarting); an unknown actor is not alive."""
     info = ray_state.actors(actor_id=actor_id)

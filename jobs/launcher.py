@@ -13,7 +13,6 @@ from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
 from elastic import capacity, policy
-from elastic.checkpoints import CheckpointDir
 from elastic.supervisor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
@@ -117,11 +116,9 @@ def supervisor_name(job_id: str) -> str:
     return ACTOR_PREFIX + job_id
 
 
-def max_workers_ever(spec: JobSpec, nodes: Iterable[Mapping[str, float]] | None = None) -> int:
-    """How many of the spec's workers the cluster could hold if it ran nothing else: on
-    ``nodes`` (each node's total resources) when given, else as Ray reports them now."""
-    if nodes is None:
-        return capacity.workers_ever(spec.scaling.worker_resources())
+def max_workers_ever(spec: JobSpec, nodes: Iterable[Mapping[str, float]]) -> int:
+    """How many of the spec's workers a cluster of ``nodes`` (each node's total resources)
+    could hold if it ran nothing else."""
     return policy.workers_that_fit(nodes, spec.scaling.worker_resources())
 
 
@@ -136,11 +133,6 @@ class Resume:
 
 def checkpoint_dir(checkpoint_root: str, job_id: str) -> str:
     return os.path.join(checkpoint_root, job_id)
-
-
-def has_checkpoints(checkpoint_root: str, job_id: str) -> bool:
-    """Whether the job wrote any checkpoint (valid or not: the supervisor decides)."""
-    return bool(CheckpointDir(checkpoint_dir(checkpoint_root, job_id)).existing())
 
 
 def launch(

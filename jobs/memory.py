@@ -101,15 +101,11 @@ def estimate(spec: Any) -> MemoryEstimate | None:
 
 
 def largest_node_memory(
-    resources: Mapping[str, float], nodes: Iterable[Mapping[str, float]] | None = None
+    resources: Mapping[str, float], nodes: Iterable[Mapping[str, float]]
 ) -> float | None:
-    """Bytes of Ray's ``memory`` resource on the biggest live node that could hold one worker
-    asking for ``resources``, among ``nodes`` (each node's total resources; default: as Ray
-    reports them now); None when Ray reports no memory."""
-    if nodes is None:
-        from elastic.capacity import total_per_node
-
-        nodes = total_per_node().values()
+    """Bytes of Ray's ``memory`` resource on the biggest of ``nodes`` (each node's total
+    resources) that could hold one worker asking for ``resources``; None when they report
+    no memory."""
     best: float | None = None
     for node in nodes:
         if all(node.get(k, 0.0) >= v for k, v in resources.items()) and "memory" in node:

@@ -417,17 +417,10 @@ class JobControl:
             why = f"{why}; it was re-created {times} times already"
             await self._end_without_supervisor(job.id, JobState.FAILED, why)
             return
-        has = await asyncio.to_thread(
-            launcher.has_checkpoints, self.settings.resolved_checkpoint_dir, job.id
-        )
         self._recreated[job.id] = times + 1
         self._missing_since.pop(job.id, None)
-        log.warning(
-            "%s: %s; re-creating it from %s",
-            job.id,
-            why,
-            "its latest checkpoint" if has else "step 0 (it saved no checkpoint)",
-        )
+        # The new supervisor finds the latest valid checkpoint (or none) and says which.
+        log.warning("%s: %s; re-creating its supervisor", job.id, why)
         resume = launcher.Resume(job.state, job.step or 0, job.world_size or 0)
         await self._launch(job, resume)
 
