@@ -47,8 +47,10 @@ class Timing:
     release_wait_s: float = 3.0  # for an ended attempt's survivors to free their resources
     reserve_s: float = 5.0  # to reserve capacity before starting or growing
     # From an attempt's start until all its workers have registered; below Ray Train's own
-    # worker-group start timeout (attempt_runner.WORKER_GROUP_START_TIMEOUT_S).
-    start_s: float = 60.0
+    # worker-group start timeout (attempt_runner.WORKER_GROUP_START_TIMEOUT_S). It covers the
+    # start of new worker processes too (each imports torch): several jobs that start at once
+    # on a small, busy machine took over 60 s, and were sent back to the queue for nothing.
+    start_s: float = 110.0
     stop_grace_s: float = 15.0  # for a stopped attempt's fit() to come back
     # For a node to answer after an attempt failed; a dead one is also declared dead by Ray
     # within this (3 s with the service's fast failure detection).
@@ -324,7 +326,8 @@ class JobLoop:
 
     def _notice_drain(self, attempt: Attempt, snap: Snapshot) -> None:
         """A drain notice (a spot preemption, a scale-down) for a node of this attempt: it
-        pauses at its next checkpoint, before the node goes, so no step is redone."""
+        pauses at its next step with a checkpoint of it, before the node goes, so no step is
+        redone."""
         drained = frozenset(n for n in attempt.worker_nodes.values() if n in snap.draining)
         # Looked at on every poll: a second node drained later is left at the same pause.
         if not drained or drained <= self._drained(attempt):
@@ -394,7 +397,8 @@ class JobLoop:
             self.attempt.worker_nodes[rank] = node_id
 
     def should_pause(self, attempt: int, step: int) -> bool:
-        """Asked by rank 0 right after each checkpoint: stop here so the job can grow?"""
+        """Asked by rank 0 right after each checkpoint: stop here so the job can grow, or leave
+        a draining node?"""
         current = self.attempt
         if current is None or attempt != current.number:
             return False
@@ -404,6 +408,15 @@ class JobLoop:
             return False
         current.paused_at = step
         return True
+
+    def drain_pending(self, attempt: int) -> bool:
+        """Polled by rank 0: is a node of this attempt draining? Its workers then pause at
+        their next step, with a checkpoint of that step, rather than at the next scheduled
+        checkpoint, which may come after the node is gone."""
+        current = self.attempt
+        if current is None or attempt != current.number or self.cancelled:
+            return False
+        return bool(self._drained(current))
 
     def record(self, kind: str, data: dict[str, Any]) -> None:
         current = self.attempt

@@ -444,15 +444,20 @@ class TrainContext:
                     f"({self.world_size} worker{'s' if self.world_size > 1 else ''})",
                     flush=True,
                 )
+            draining = False
             if (
                 self.step in (first_step, last_step)
                 or self.step % report_every_steps == 0
                 or self._report_now
             ):
                 elapsed = time.perf_counter() - window_start
-                self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
+                rate = window_samples / elapsed if elapsed > 0 else None
+                draining = self._report(last_step, rate)
                 window_start, window_samples = time.perf_counter(), 0
-            if self.step % self.worker.every_steps == 0 or self.step == last_step:
+            # Local SGD's replicas differ between averages: only an averaged model is saved.
+            if draining and self.local_sgd is not None and not self.local_sgd.due(self.step):
+                draining = False
+            if draining or self.step % self.worker.every_steps == 0 or self.step == last_step:
                 self._checkpoint(last_step)
 
     def _begin_steps(self, settings: LoopSettings, dataset_size: int) -> int:
@@ -592,8 +597,12 @@ class TrainContext:
 
     # -- between steps -------------------------------------------------------------------
 
-    def _report(self, last_step: int, samples_per_s: float | None) -> None:
-        totals = self._totals.to(self.device)
+    def _report(self, last_step: int, samples_per_s: float | None) -> bool:
+        """Report the step's metrics; returns whether a node of the attempt is draining,
+        which rank 0 knows and the sum that the report needs anyway tells every rank."""
+        drain = 1.0 if self.rank == 0 and self.worker.drain_noticed() else 0.0
+        flag = torch.tensor([drain], dtype=torch.float64, device=self.device)
+        totals = torch.cat([self._totals.to(self.device, torch.float64), flag])
         if self.world_size > 1:
             dist.all_reduce(totals)
         if self.rank == 0:
@@ -618,6 +627,7 @@ class TrainContext:
             )
         self._extra_metrics = {}
         self._report_now = False
+        return bool(totals[2] > 0)
 
     def _checkpoint(self, last_step: int) -> None:
         # Training waits only for the copy to CPU; the write goes on in the background.

@@ -93,5 +93,8 @@ class Supervisor:
     async def should_pause(self, attempt: int, step: int) -> bool:
         return self.loop.should_pause(attempt, step)
 
+    async def drain_pending(self, attempt: int) -> bool:
+        return self.loop.drain_pending(attempt)
+
     async def record(self, kind: str, data: dict[str, Any]) -> None:
         self.loop.record(kind, data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,10 @@ from elastic.tensorboard import TensorBoardLog, resumed_step
 from elastic.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
+
+# How often rank 0 asks its supervisor whether a node of the attempt is draining: a drain
+# notice gives seconds to minutes, and the job pauses at the first step after the answer.
+DRAIN_POLL_S = 0.5
 
 
 @dataclass
@@ -36,6 +41,8 @@ class WorkerContext:
     # ... and into the job's MLflow run, when the service has a tracking URI.
     mlflow: mlflow_log.MlflowLog | None = None
     checkpoints: CheckpointDir = field(init=False)
+    _drain_noticed: threading.Event = field(default_factory=threading.Event, init=False)
+    _closed: threading.Event = field(default_factory=threading.Event, init=False)
 
     def __post_init__(self) -> None:
         self.checkpoints = CheckpointDir(self.config.checkpoint_dir)
@@ -90,6 +97,7 @@ class WorkerContext:
                 worker.mlflow = mlflow_log.for_worker(
                     config, meta.attempt, worker.world_size, resumed_step(meta.resume_path)
                 )
+                worker.watch_for_drain()
         return worker
 
     @classmethod
@@ -132,6 +140,7 @@ class WorkerContext:
     def close(self) -> None:
         """Flush what the worker writes besides checkpoints (its TensorBoard files, its
         MLflow points). Called in a ``finally``: an exception being handled fails the run."""
+        self._closed.set()
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.mlflow is not None:
@@ -143,3 +152,27 @@ class WorkerContext:
         if self.supervisor is None:
             return False
         return bool(ray.get(self.supervisor.should_pause.remote(self.attempt, step), timeout=30))
+
+    def watch_for_drain(self, every_s: float = DRAIN_POLL_S) -> None:
+        """Rank 0: ask the supervisor in the background whether a node of this attempt is
+        draining, so that the loop reads the answer at each step without waiting on it."""
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+
+        def poll() -> None:
+            while not self._closed.wait(every_s):
+                try:
+                    pending = ray.get(supervisor.drain_pending.remote(self.attempt), timeout=10)
+                except Exception as e:  # a busy or lost supervisor: ask again
+                    log.debug("asking about a drain: %s", e)
+                    continue
+                if pending:
+                    self._drain_noticed.set()
+                    return
+
+        threading.Thread(target=poll, name="etrain-drain-watch", daemon=True).start()
+
+    def drain_noticed(self) -> bool:
+        """Whether the supervisor said a node of this attempt is draining (rank 0 only)."""
+        return self._drain_noticed.is_set()

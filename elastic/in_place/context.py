@@ -231,10 +231,11 @@ class InPlaceContext(TrainContext):
         self._trained = batch.step
         self._committed = True
 
-    def _report(self, last_step: int, samples_per_s: float | None) -> None:
+    def _report(self, last_step: int, samples_per_s: float | None) -> bool:
+        # In place, a drain is not acted on (the quorum goes on without the node).
         if self.worker.rank != 0:
             self._extra_metrics = {}
-            return
+            return False
         assert self.scheduler is not None
         totals, global_batch = self._totals, self._step_global_batch
         self.worker.emit(
@@ -254,6 +255,7 @@ class InPlaceContext(TrainContext):
             },
         )
         self._extra_metrics = {}
+        return False
 
 
 class _CommittedSamples:

@@ -1,6 +1,8 @@
 """A drain notice (Ray's DrainNode with a deadline, what a spot preemption or a KubeRay
 scale-down sends) for a node that holds one of a job's workers: the job pauses at its next
-checkpoint and carries on without that node, before the deadline, redoing no step.
+step, with a checkpoint of that step (not at its next scheduled checkpoint, which may come
+after the node is gone), and carries on without that node, before the deadline, redoing no
+step.
 
 Ray ends a drained node as soon as it is idle: here within a second of the pause, while the
 supervisor still waits for the paused worker group's end (which may fail with the node)."""
@@ -8,6 +10,7 @@ supervisor still waits for the paused worker group's end (which may fail with th
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,9 @@ TERMINAL = {"succeeded", "failed", "cancelled"}
 # The drain's deadline: what a spot notice gives (2 min on AWS, 30 s on GCP) is beyond the
 # pause and restart here, so the job must be off the node well before it.
 DEADLINE_S = 120
+# Far apart, so that a pause at the next scheduled checkpoint would come long after the
+# notice: the drain must not wait for it.
+EVERY_STEPS = 200
 
 
 def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -34,6 +40,10 @@ def events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
         f"/v1/jobs/{job_id}/events", params={"limit": 5000}
     ).json()["items"]
     return items
+
+
+def stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["time"]).timestamp()
 
 
 def workers_of(api: httpx.Client, job_id: str) -> dict[str, str]:
@@ -57,7 +67,7 @@ def drain(node_id: str, deadline_ms: int) -> None:
     assert accepted, why
 
 
-def test_a_drained_node_is_left_at_the_next_checkpoint_with_no_step_redone(
+def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
     ray_cluster: ClusterPool, tmp_path: Path
 ) -> None:
     import ray
@@ -67,7 +77,7 @@ def test_a_drained_node_is_left_at_the_next_checkpoint_with_no_step_redone(
     assert sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == POOL_SIZE
     spec = small_job(max_steps=1_000_000)  # it runs until the test cancels it
     spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
-    spec["checkpoint"] = {"every_steps": 5, "keep": 2}
+    spec["checkpoint"] = {"every_steps": EVERY_STEPS, "keep": 2}
     victim = None
     try:
         with LiveServer(make_settings(tmp_path)) as live:
@@ -86,7 +96,15 @@ def test_a_drained_node_is_left_at_the_next_checkpoint_with_no_step_redone(
             )
             node_id = workers_of(api, jid)["1"]
             (victim,) = [n for n in ray_cluster.pool if n.node_id == node_id]
+            # Early in a checkpoint interval: the next scheduled one is far ahead.
+            at_notice = wait_for(
+                lambda: 5 <= (step := get(api, jid)["step"]) % EVERY_STEPS <= 60 and step,
+                180,
+                interval=0.1,
+                what="a step early in a checkpoint interval",
+            )
             deadline_ms = int((time.time() + DEADLINE_S) * 1000)
+            drained_at = time.time()
             drain(node_id, deadline_ms)
 
             def drained() -> dict[str, Any] | None:
@@ -105,6 +123,12 @@ def test_a_drained_node_is_left_at_the_next_checkpoint_with_no_step_redone(
             assert (data["reason"], data["from_world"], data["to_world"]) == ("drain", 3, 2)
             assert data["steps_redone"] == 0, data
             resumed = data["checkpoint_step"]
+            # It paused at the step it was at when it heard, not at the next multiple of
+            # EVERY_STEPS.
+            assert at_notice <= resumed < (at_notice // EVERY_STEPS + 1) * EVERY_STEPS, (
+                at_notice,
+                resumed,
+            )
             after = wait_for(
                 lambda: (j := get(api, jid))["step"] > resumed + 2 and j, 60, what="training on"
             )
@@ -123,6 +147,17 @@ def test_a_drained_node_is_left_at_the_next_checkpoint_with_no_step_redone(
                 "checkpoint_step": resumed,
             }
             assert [d["world_size"] for d in started[:-1]][-1:] == [3], started
+            (saved,) = [
+                e for e in seen if e["kind"] == "checkpoint_saved" and e["data"]["step"] == resumed
+            ]
+            first_at_2 = next(
+                e for e in seen if e["kind"] == "metrics" and e["data"]["world_size"] == 2
+            )
+            print(
+                f"drain at step {at_notice}; paused at step {resumed}, its checkpoint published "
+                f"{stamp(saved) - drained_at:.1f} s after the drain; first step at 2 workers "
+                f"{stamp(first_at_2) - drained_at:.1f} s after it"
+            )
             assert api.post(f"/v1/jobs/{jid}/cancel").json()["state"] == "cancelled"
     finally:
         if victim is not None and victim in ray_cluster.pool:

@@ -118,6 +118,16 @@ def history(client: httpx.Client, job_id: str) -> tuple[list[str], int]:
     )
 
 
+def reasons(client: httpx.Client, job_id: str) -> list[tuple[str, str, Any]]:
+    """When and why the job changed state: what a failed history check needs to be read."""
+    events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
+    return [
+        (e["time"], e["data"]["state"], e["data"].get("reason"))
+        for e in events
+        if e["kind"] == "state"
+    ]
+
+
 @pytest.fixture
 def api(ray_cluster: Any, tmp_path: Path) -> Iterator[Api]:
     server = Api(ray_cluster.cluster.address, tmp_path)
@@ -257,5 +267,5 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
             assert history(client, job_id) == (
                 ["queued", "starting", "running", "succeeded"],
                 1,
-            )  # never started twice
+            ), reasons(client, job_id)  # never started twice
         assert history(client, waiting)[0][-2:] == ["running", "cancelled"]

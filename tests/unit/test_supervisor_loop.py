@@ -656,7 +656,7 @@ def test_a_recreated_supervisor_without_a_checkpoint_says_it_starts_from_step_0(
     run(body)
 
 
-def test_a_drained_node_pauses_the_job_at_its_next_checkpoint_and_it_resizes_off_it() -> None:
+def test_a_drained_node_pauses_the_job_at_its_next_step_and_it_resizes_off_it() -> None:
     async def body() -> None:
         cluster = FakeCluster(3)
         h = Harness(cluster)
@@ -664,20 +664,24 @@ def test_a_drained_node_pauses_the_job_at_its_next_checkpoint_and_it_resizes_off
         await h.workers_start(1, step=1)
         assert h.runner.specs[0].world_size == 3
         assert not h.loop.should_pause(1, 10)  # nothing drains yet
+        assert not h.loop.drain_pending(1)
         h.saved(1, 10)
         drained = h.runner.nodes[2]
         cluster.draining[drained] = 2_000_000  # a preemption notice with a deadline
         cluster.bump()
         await h.until(lambda: h.loop.draining is not None, "the drain noticed")
+        # Rank 0 asks at every step; an old attempt's rank 0 is told nothing.
+        assert h.loop.drain_pending(1) and not h.loop.drain_pending(0)
         h.metrics(1, 17, completed_step=17)
-        h.saved(1, 20)
-        assert h.loop.should_pause(1, 20)  # the next checkpoint after the notice
+        h.saved(1, 18)  # the first step after the answer, off the checkpoint schedule
+        assert h.loop.should_pause(1, 18)
         h.runner.end(AttemptOutcome())  # the workers stop there
         await h.attempt(2)
         # The draining node is alive and its CPU free again, but the job leaves it.
-        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_20")
+        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_18")
         assert drained not in h.runner.nodes
-        await h.workers_start(2, step=21)
+        assert not h.loop.drain_pending(2)
+        await h.workers_start(2, step=19)
         (resized,) = h.of("resized")
         assert (resized["from_world"], resized["to_world"], resized["steps_redone"]) == (3, 2, 0)
         assert resized["reason"] == "drain"
