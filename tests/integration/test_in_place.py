@@ -77,18 +77,45 @@ def replica_pids() -> list[int]:
     return sorted(pids)
 
 
+STEPS = 240
+# The uninterrupted run's final parameters and momentum, made once for the module's tests.
+_reference: dict[str, torch.Tensor] = {}
+
+
+def reference_state(client: httpx.Client, root: Path) -> dict[str, torch.Tensor]:
+    """The same job uninterrupted, in restart mode (classic DDP): what every in-place run
+    with losses and joins must end with."""
+    if not _reference:
+        spec = in_place_job(STEPS)
+        del spec["fault_tolerance"]
+        reference = client.post("/v1/jobs", json=spec).json()
+        assert wait_until_ended(client, reference["id"])["state"] == "succeeded"
+        _reference.update(final_state(client, reference["id"], root))
+    return _reference
+
+
+def assert_exact(client: httpx.Client, job_id: str, root: Path) -> None:
+    """Every sample of every epoch went into the model exactly once, and in float64 the
+    parameters and momentum buffers equal the uninterrupted run's."""
+    counted = committed_samples(root / job_id)
+    assert set(counted.values()) == {1}
+    for epoch in range(STEPS // 16):
+        assert {i for e, i in counted if e == epoch} == set(range(DATASET))
+    assert len(counted) == STEPS * BATCH - (STEPS // 16) * (16 * BATCH - DATASET)
+    ours, theirs = final_state(client, job_id, root), reference_state(client, root)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert tensor.dtype == torch.float64
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     api: httpx.Client,  # noqa: F811
     pool: ClusterPool,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    steps = 240
-    # The reference: the same job uninterrupted, in restart mode (classic DDP).
-    reference_spec = in_place_job(steps)
-    del reference_spec["fault_tolerance"]
-    reference = api.post("/v1/jobs", json=reference_spec).json()
-    assert wait_until_ended(api, reference["id"])["state"] == "succeeded"
-
+    steps = STEPS
+    reference_state(api, tmp_path / "checkpoints")
     job = api.post("/v1/jobs", json=in_place_job(steps)).json()
     assert "id" in job, job
     wait_until(
@@ -140,20 +167,52 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)] * 2
     assert all(j["pause_seconds"] < JOIN_PAUSE_BOUND_S for j in joined), joined
 
-    # Every sample of every epoch went into the model exactly once.
-    counted = committed_samples(tmp_path / "checkpoints" / job["id"])
-    assert set(counted.values()) == {1}
-    for epoch in range(steps // 16):
-        assert {i for e, i in counted if e == epoch} == set(range(DATASET))
-    assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+    assert_exact(api, job["id"], tmp_path / "checkpoints")
 
-    # Float64: parameters and momentum buffers equal the uninterrupted run's.
+
+def test_two_nodes_killed_in_a_row_leave_one_replica_training_and_both_rejoin(
+    api: httpx.Client,  # noqa: F811
+    pool: ClusterPool,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A second loss while the job still recovers from the first: the last replica trains
+    on alone, from the same step, and the two nodes added back join it."""
     root = tmp_path / "checkpoints"
-    ours, theirs = final_state(api, job["id"], root), final_state(api, reference["id"], root)
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert tensor.dtype == torch.float64
-        torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
+    reference_state(api, root)
+    job = api.post("/v1/jobs", json=in_place_job(STEPS)).json()
+    assert "id" in job, job
+    wait_until(
+        api,
+        job["id"],
+        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
+        240,
+        "training at 3 replicas",
+    )
+    first, second = pool.pool[0], pool.pool[1]
+    pool.kill_node(first)
+    pool.kill_node(second)  # at once: the quorum has not re-formed yet
+    at_one = wait_until(api, job["id"], lambda j: j["world_size"] == 1, 60, "1 replica")
+    wait_until(api, job["id"], lambda j: j["step"] >= at_one["step"] + 10, 60, "training alone")
+    pool.add_node()
+    pool.add_node()
+    wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "both nodes back")
+    done = wait_until_ended(api, job["id"])
+    assert done["state"] == "succeeded" and done["step"] == STEPS, done
+
+    assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
+    losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    print("in place, two kills in a row:", losses)
+    # Seen as one quorum change or as two: either way 3 -> 1, each redoing at most a step.
+    assert losses and losses[0]["from_world"] == 3 and losses[-1]["to_world"] == 1, losses
+    assert all(x["steps_redone"] <= 1 for x in losses), losses
+    assert all(x["pause_seconds"] < LOSS_PAUSE_BOUND_S for x in losses), losses
+    first_loss = events(api, job["id"], "worker_lost")[0]["seq"]
+    joined = [e["data"] for e in events(api, job["id"], "joined") if e["seq"] > first_loss]
+    print("in place, joins after two kills:", joined)
+    assert joined and joined[-1]["to_world"] == 3, joined
+    assert all(j["steps_redone"] == 0 for j in joined), joined
+    assert all(j["pause_seconds"] < JOIN_PAUSE_BOUND_S for j in joined), joined
+    assert_exact(api, job["id"], root)
 
 
 def stopped(pid: int) -> bool:
