@@ -146,6 +146,9 @@ class RayTrainRunner:
                     # Ray Train would route print() to its own logger; the job's log wants them.
                     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(WORKER_GROUP_START_TIMEOUT_S),
+                    # Its watcher is one more process to start on the head per attempt, and
+                    # drains are the supervisor's (the job pauses at its next step).
+                    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                 }
             },
         }
