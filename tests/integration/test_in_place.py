@@ -27,6 +27,7 @@ from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     pool,
     wait_until,
 )
+from tests.integration.test_elastic import get as get_job
 
 pytestmark = pytest.mark.ray
 
@@ -220,3 +221,50 @@ def stopped(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "T"
     except OSError:
         return False
+
+
+def test_a_node_killed_while_a_replacement_starts_leaves_the_job_exact(
+    api: httpx.Client,  # noqa: F811
+    pool: ClusterPool,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A survivor's node dies while the replica placed on a node added back is starting
+    (its process is up, it has not joined yet): the joiner heals from whichever replica is
+    left, and the job trains on without a restart, exact."""
+    root = tmp_path / "checkpoints"
+    reference_state(api, root)
+    job = api.post("/v1/jobs", json=in_place_job(STEPS)).json()
+    assert "id" in job, job
+    wait_until(
+        api,
+        job["id"],
+        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
+        240,
+        "training at 3 replicas",
+    )
+    pool.kill_node(pool.pool[0])
+    wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "2 replicas")
+    before = set(replica_pids())
+    pool.add_node()
+    wait_until(
+        api,
+        job["id"],
+        lambda j: bool(set(replica_pids()) - before),
+        120,
+        "the replacement's process",
+    )
+    assert get_job(api, job["id"])["world_size"] == 2  # it has not joined yet
+    pool.kill_node(pool.pool[0])  # a survivor's node; the new node is the pool's last
+    pool.add_node()
+    wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "3 replicas again")
+    done = wait_until_ended(api, job["id"])
+    assert done["state"] == "succeeded" and done["step"] == STEPS, done
+
+    assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
+    losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    print("in place, a kill while a replacement starts:", losses)
+    assert len(losses) == 2, losses
+    assert all(x["steps_redone"] <= 1 for x in losses), losses
+    joined = [e["data"] for e in events(api, job["id"], "joined")]
+    assert all(j["steps_redone"] == 0 for j in joined), joined
+    assert_exact(api, job["id"], root)

@@ -1,0 +1,159 @@
+"""Where a restart's time goes: one `restart`-mode job, one node killed, and the timeline
+of what followed, in seconds from the kill.
+
+The cluster of bench/recovery.py (a head that trains nothing and three one-CPU nodes, node
+failures detected after 3 missed 1 s health checks); the same small CNN job, 80 steps, a
+checkpoint every 10; the node of rank 1 killed once step 24 is seen. It prints the job's
+events (state changes, attempts, the first step of each attempt, recovery figures) and the
+start and end of every Ray actor of the run (the supervisor's `FitActor`, Ray Train's
+controller, its workers and its helper actors), from Ray's actor table.
+
+    .venv/bin/python -m bench.restart_profile [--startup-concurrency N]
+
+``--startup-concurrency`` sets Ray's ``worker_maximum_startup_concurrency`` on the cluster
+(Ray's own default is one process start at a time on a node with no CPUs, as the head here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+from ray._private import state as ray_state
+from ray.cluster_utils import Cluster
+
+from bench.recovery import BATCH, EVERY, NAMESPACE, Step, _fresh_node, _kill_when
+from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
+
+STEPS = 80
+
+
+def stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["time"]).timestamp()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--startup-concurrency", type=int, default=0)
+    args = parser.parse_args()
+    keep_ray_on_loopback()
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    system_config: dict[str, Any] = dict(FAST_FAILURE_DETECTION)
+    if args.startup_concurrency:
+        system_config["worker_maximum_startup_concurrency"] = args.startup_concurrency
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": system_config}
+    )
+    nodes: list[Any] = []
+    _fresh_node(cluster, nodes)
+    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+
+    import uvicorn
+
+    from service.app import create_app
+    from service.settings import Settings
+
+    settings = Settings(
+        data_dir=Path(tempfile.mkdtemp(prefix="etrain-profile-")),
+        api_token="bench",  # type: ignore[arg-type]
+        ray_namespace=NAMESPACE,
+        event_poll_interval_s=0.1,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    client = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer bench"}, timeout=30
+    )
+    spec = {
+        "name": "restart-profile",
+        "workload": "image-classification",
+        "hyperparameters": {
+            "model": "small_cnn",
+            "dataset": "synthetic",
+            "max_steps": STEPS,
+            "global_batch_size": BATCH,
+            "learning_rate": 0.05,
+            "seed": 0,
+            "synthetic_samples": 100_000,
+        },
+        "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": EVERY, "keep": 3},
+        "fault_tolerance": "restart",
+    }
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+
+    def events() -> list[dict[str, Any]]:
+        page = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000})
+        items: list[dict[str, Any]] = page.json()["items"]
+        return items
+
+    def progress() -> list[Step]:
+        return [
+            (stamp(e), 0, e["data"]["step"], "", str(e["data"]["attempt"]), 0)
+            for e in events()
+            if e["kind"] == "metrics"
+        ]
+
+    def rank1_node() -> str | None:
+        supervisor = ray.get_actor(f"etrain-supervisor-{job_id}", namespace=NAMESPACE)
+        status: Any = ray.get(supervisor.status.remote())
+        node: str | None = status["worker_nodes"].get(1)
+        return node
+
+    killed_at = _kill_when(progress, cluster, nodes, rank1_node=rank1_node)
+    while client.get(f"/v1/jobs/{job_id}").json()["state"] not in {
+        "succeeded",
+        "failed",
+        "cancelled",
+    }:
+        time.sleep(0.2)
+
+    print(f"seconds from the kill; startup concurrency {args.startup_concurrency or 'Ray default'}")
+    print()
+    print("the job's events:")
+    first_step_of: set[int] = set()
+    for e in events():
+        kind, data = e["kind"], e["data"]
+        if kind in ("log", "checkpoint_saved", "checkpoint_removed"):
+            continue
+        if kind == "metrics":
+            if data["attempt"] in first_step_of:
+                continue
+            first_step_of.add(data["attempt"])
+            kind = f"first step of attempt {data['attempt']}"
+            data = {"step": data["step"], "world_size": data["world_size"]}
+        print(f"{stamp(e) - killed_at:8.2f}  {kind}  {json.dumps(data)[:160]}")
+    print()
+    print("Ray's actors (start, end):")
+    actors = sorted(
+        ray_state.actors().values(),  # type: ignore[no-untyped-call]
+        key=lambda a: float(a.get("StartTime") or 0),
+    )
+    for actor in actors:
+        start = float(actor.get("StartTime") or 0) / 1000 - killed_at
+        end = actor.get("EndTime")
+        ended = f"{float(end) / 1000 - killed_at:8.2f}" if end else "       -"
+        print(f"{start:8.2f} {ended}  {actor['ActorClassName']}")
+    server.should_exit = True
+    thread.join(timeout=30)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
