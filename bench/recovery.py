@@ -158,9 +158,8 @@ def run_stock(cluster: Cluster, nodes: list[Any], storage: str) -> dict[str, flo
     return _summary(steps, started, killed_at)
 
 
-def run_ours(
-    cluster: Cluster, nodes: list[Any], data_dir: str, mode: str = "restart"
-) -> dict[str, float]:
+def serve(data_dir: str) -> tuple[Any, threading.Thread, httpx.Client]:
+    """The service in a thread of this process, on this process's Ray connection."""
     import uvicorn
 
     from service.app import create_app
@@ -183,13 +182,18 @@ def run_ours(
     client = httpx.Client(
         base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer bench"}, timeout=30
     )
-    spec = {
+    return server, thread, client
+
+
+def job_spec(steps: int, mode: str) -> dict[str, Any]:
+    """The small CNN job every side runs, through the service."""
+    return {
         "name": "bench",
         "workload": "image-classification",
         "hyperparameters": {
             "model": "small_cnn",
             "dataset": "synthetic",
-            "max_steps": STEPS,
+            "max_steps": steps,
             "global_batch_size": BATCH,
             "learning_rate": 0.05,
             "seed": 0,
@@ -199,8 +203,14 @@ def run_ours(
         "checkpoint": {"every_steps": EVERY, "keep": 3},
         "fault_tolerance": mode,
     }
+
+
+def run_ours(
+    cluster: Cluster, nodes: list[Any], data_dir: str, mode: str = "restart"
+) -> dict[str, float]:
+    server, thread, client = serve(data_dir)
     started = time.time()
-    job = client.post("/v1/jobs", json=spec).json()
+    job = client.post("/v1/jobs", json=job_spec(STEPS, mode)).json()
     job_id = job["id"]
 
     def progress() -> list[Step]:

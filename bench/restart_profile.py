@@ -20,18 +20,15 @@ import argparse
 import json
 import os
 import tempfile
-import threading
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-import httpx
 import ray
 from ray._private import state as ray_state
 from ray.cluster_utils import Cluster
 
-from bench.recovery import BATCH, EVERY, NAMESPACE, Step, _fresh_node, _kill_when
+from bench.recovery import NAMESPACE, Step, _fresh_node, _kill_when, job_spec, serve
 from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
 
 STEPS = 80
@@ -57,45 +54,8 @@ def main() -> None:
     _fresh_node(cluster, nodes)
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
 
-    import uvicorn
-
-    from service.app import create_app
-    from service.settings import Settings
-
-    settings = Settings(
-        data_dir=Path(tempfile.mkdtemp(prefix="etrain-profile-")),
-        api_token="bench",  # type: ignore[arg-type]
-        ray_namespace=NAMESPACE,
-        event_poll_interval_s=0.1,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), host="127.0.0.1", port=0, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    client = httpx.Client(
-        base_url=f"http://127.0.0.1:{port}", headers={"Authorization": "Bearer bench"}, timeout=30
-    )
-    spec = {
-        "name": "restart-profile",
-        "workload": "image-classification",
-        "hyperparameters": {
-            "model": "small_cnn",
-            "dataset": "synthetic",
-            "max_steps": STEPS,
-            "global_batch_size": BATCH,
-            "learning_rate": 0.05,
-            "seed": 0,
-            "synthetic_samples": 100_000,
-        },
-        "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
-        "checkpoint": {"every_steps": EVERY, "keep": 3},
-        "fault_tolerance": "restart",
-    }
-    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    server, thread, client = serve(tempfile.mkdtemp(prefix="etrain-profile-"))
+    job_id = client.post("/v1/jobs", json=job_spec(STEPS, "restart")).json()["id"]
 
     def events() -> list[dict[str, Any]]:
         page = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000})

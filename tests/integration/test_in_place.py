@@ -110,22 +110,29 @@ def assert_exact(client: httpx.Client, job_id: str, root: Path) -> None:
         torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def start_at_three_replicas(client: httpx.Client, root: Path) -> dict[str, Any]:
+    """The uninterrupted reference made (once), then the in-place job submitted and
+    training at 3 replicas past its first steps."""
+    reference_state(client, root)
+    job: dict[str, Any] = client.post("/v1/jobs", json=in_place_job(STEPS)).json()
+    assert "id" in job, job
+    wait_until(
+        client,
+        job["id"],
+        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
+        240,
+        "training at 3 replicas",
+    )
+    return job
+
+
 def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     api: httpx.Client,  # noqa: F811
     pool: ClusterPool,  # noqa: F811
     tmp_path: Path,
 ) -> None:
     steps = STEPS
-    reference_state(api, tmp_path / "checkpoints")
-    job = api.post("/v1/jobs", json=in_place_job(steps)).json()
-    assert "id" in job, job
-    wait_until(
-        api,
-        job["id"],
-        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
-        240,
-        "training at 3 replicas",
-    )
+    job = start_at_three_replicas(api, tmp_path / "checkpoints")
     pool.kill_node(pool.pool[1])
     wait_until(api, job["id"], lambda j: j["world_size"] == 2 and j["step"] >= 40, 60, "2 replicas")
     pool.add_node()
@@ -179,16 +186,7 @@ def test_two_nodes_killed_in_a_row_leave_one_replica_training_and_both_rejoin(
     """A second loss while the job still recovers from the first: the last replica trains
     on alone, from the same step, and the two nodes added back join it."""
     root = tmp_path / "checkpoints"
-    reference_state(api, root)
-    job = api.post("/v1/jobs", json=in_place_job(STEPS)).json()
-    assert "id" in job, job
-    wait_until(
-        api,
-        job["id"],
-        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
-        240,
-        "training at 3 replicas",
-    )
+    job = start_at_three_replicas(api, root)
     first, second = pool.pool[0], pool.pool[1]
     pool.kill_node(first)
     pool.kill_node(second)  # at once: the quorum has not re-formed yet
@@ -232,16 +230,7 @@ def test_a_node_killed_while_a_replacement_starts_leaves_the_job_exact(
     (its process is up, it has not joined yet): the joiner heals from whichever replica is
     left, and the job trains on without a restart, exact."""
     root = tmp_path / "checkpoints"
-    reference_state(api, root)
-    job = api.post("/v1/jobs", json=in_place_job(STEPS)).json()
-    assert "id" in job, job
-    wait_until(
-        api,
-        job["id"],
-        lambda j: j["world_size"] == 3 and j["state"] == "running" and j["step"] >= 15,
-        240,
-        "training at 3 replicas",
-    )
+    job = start_at_three_replicas(api, root)
     pool.kill_node(pool.pool[0])
     wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "2 replicas")
     before = set(replica_pids())
