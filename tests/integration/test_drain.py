@@ -16,7 +16,15 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import POOL_SIZE, ClusterPool, LiveServer, make_settings, small_job, wait_for
+from tests.conftest import (
+    POOL_SIZE,
+    ClusterPool,
+    LiveServer,
+    all_events,
+    make_settings,
+    small_job,
+    wait_for,
+)
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 # The drain's deadline: what a spot notice gives (2 min on AWS, 30 s on GCP) is beyond the
@@ -33,13 +41,6 @@ def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
     job: dict[str, Any] = r.json()
     assert job["state"] not in TERMINAL, job  # only the test ends it
     return job
-
-
-def events(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = api.get(
-        f"/v1/jobs/{job_id}/events", params={"limit": 5000}
-    ).json()["items"]
-    return items
 
 
 def stamp(event: dict[str, Any]) -> float:
@@ -116,7 +117,7 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
             try:
                 resized = wait_for(drained, DEADLINE_S - 10, what="the resize off the node")
             except AssertionError as e:
-                timeline = [(x["time"], x["kind"], x["data"]) for x in events(api, jid)]
+                timeline = [(x["time"], x["kind"], x["data"]) for x in all_events(api, jid)]
                 raise AssertionError(f"{e}; the job's events: {timeline[-40:]}") from None
             assert time.time() * 1000 < deadline_ms  # before the node goes
             data = resized["data"]
@@ -135,7 +136,7 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
             assert after["world_size"] == 2, after
             placed = workers_of(api, jid)
             assert sorted(placed) == ["0", "1"] and node_id not in placed.values(), placed
-            seen = events(api, jid)
+            seen = all_events(api, jid)
             kinds = [e["kind"] for e in seen]
             assert "worker_lost" not in kinds and "restored" not in kinds, kinds
             # One attempt after the drain, from the checkpoint it paused at (a grow to 3

@@ -21,7 +21,7 @@ import pytest
 import ray
 
 from jobs.launcher import supervisor_name
-from tests.conftest import NAMESPACE, TOKEN, free_port, wait_for
+from tests.conftest import NAMESPACE, TOKEN, all_events, free_port, wait_for
 from tests.integration.test_streams import SSE, iter_sse
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def snapshot(client: httpx.Client, waiting: str | None = None) -> list[tuple[Any
 
 
 def history(client: httpx.Client, job_id: str) -> tuple[list[str], int]:
-    events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
+    events = all_events(client, job_id)
     return (
         [e["data"]["state"] for e in events if e["kind"] == "state"],
         sum(e["kind"] == "attempt_started" for e in events),
@@ -120,10 +120,9 @@ def history(client: httpx.Client, job_id: str) -> tuple[list[str], int]:
 
 def reasons(client: httpx.Client, job_id: str) -> list[tuple[str, str, Any]]:
     """When and why the job changed state: what a failed history check needs to be read."""
-    events = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
     return [
         (e["time"], e["data"]["state"], e["data"].get("reason"))
-        for e in events
+        for e in all_events(client, job_id)
         if e["kind"] == "state"
     ]
 
