@@ -1,17 +1,20 @@
-"""Recovery after a node failure: stock Ray Train 2.60 elastic vs elastic-train.
+"""Recovery after a node failure: stock Ray Train 2.60 elastic, Ray Train 2.60 with
+torchft, torchrun elastic, and elastic-train in both of its modes.
 
 One process, one cluster (a head that trains nothing and three one-CPU nodes, from
-ray.cluster_utils.Cluster, a fresh node added back after each run): the same small job (the
-small CNN on synthetic 32x32 images, global batch 60 at any world size, a checkpoint every
-10 steps, STEPS steps) runs under stock Ray Train (ScalingConfig(num_workers=(1, 3)),
-FailureConfig(max_failures=3)) and through this service; in each, the node of rank 1 is
-killed (its raylet, not a polite shutdown) once step KILL_AT_STEP is seen. The sides
-alternate (stock first in odd repetitions, ours first in even ones), --repeat times.
+ray.cluster_utils.Cluster; torchrun runs its three agents on the same machine): the same
+job on every side (the small CNN on synthetic 32x32 images, global batch 60 at any world
+size, a checkpoint every 10 steps where the side uses them, STEPS steps). On each side the
+worker of rank 1 loses its node (the raylet killed, not a polite shutdown; for torchrun its
+agent's process group SIGKILLed) once step KILL_AT_STEP is seen, and a node is added back
+once the smaller world has reached GROW_AT_STEP. The sides rotate (each takes each place in
+the order in turn), --repeat times.
 
-Per side it prints the median and range of: recovery seconds (the kill to the first step
-of a worker group started after it), steps redone, and wall time (start to the last step,
-the same end point on both sides). For ours, the job's own figures too: recovery_seconds
-from the first failure signal and detection_seconds, as its events report them.
+Every side records each step (when, which rank, which attempt, how many participants,
+committed or thrown away, which samples); one summary (``bench/recovery_records.py``)
+turns those records into every row, so every side is measured the same way. For ours the
+records are the job's own metrics events and its sample audit; ours also shows the job's
+own figures (recovery_seconds, pause_seconds) as its events report them.
 
     .venv/bin/python -m bench.recovery --repeat 3
 """
@@ -19,6 +22,8 @@ from the first failure signal and detection_seconds, as its events report them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import statistics
 import tempfile
@@ -31,131 +36,24 @@ from typing import Any
 import httpx
 import ray
 from ray.cluster_utils import Cluster
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from bench.recovery_ray import (
+    BATCH,
+    EVERY,
+    GROW_AT_STEP,
+    KILL_AT_STEP,
+    NAMESPACE,
+    STEPS,
+    Run,
+    fresh_nodes,
+    kill_and_grow,
+    run_ray_torchft,
+    run_stock,
+)
+from bench.recovery_records import StepRecord, summarize
 from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
 
-NAMESPACE = "bench-recovery"
-STEPS = 120
-EVERY = 10
-KILL_AT_STEP = 24
-BATCH = 60  # divides over 1, 2 and 3 workers: the same global batch on both sides
-
-# (time, rank, step, node, session, world size): a session is one worker process, or one
-# attempt; the world size is known on our side only (0 for stock).
-Step = tuple[float, int, int, str, str, int]
-
-
-@ray.remote(num_cpus=0)
-class Probe:
-    """Where the stock run's workers say which step they finished, and on which node."""
-
-    def __init__(self) -> None:
-        self.steps: list[Step] = []
-
-    def record(self, rank: int, step: int, node: str, session: str) -> None:
-        self.steps.append((time.time(), rank, step, node, session, 0))
-
-    def all(self) -> list[Step]:
-        return list(self.steps)
-
-
-def stock_train_loop(config: dict[str, Any]) -> None:
-    """The same job written the stock way: DDP, prepare_data_loader's DistributedSampler,
-    checkpoints through ray.train.report, restore from ray.train.get_checkpoint()."""
-    import uuid
-
-    import ray.train.torch
-    import torch
-    from torch.utils.data import DataLoader
-
-    from jobs.workloads.image_classification import SmallCNN, SyntheticImages
-
-    probe = ray.get_actor(config["probe"], namespace=NAMESPACE)
-    session = uuid.uuid4().hex
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    node = ray.get_runtime_context().get_node_id()
-    torch.manual_seed(0)
-    model = SmallCNN(10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint:
-        with checkpoint.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-    model = ray.train.torch.prepare_model(model)
-    data = SyntheticImages(100_000, 32, 10, 0)
-    loader = ray.train.torch.prepare_data_loader(
-        DataLoader(data, batch_size=max(1, BATCH // world), shuffle=True)
-    )
-    loss_fn = torch.nn.CrossEntropyLoss()
-    for x, y in loader:
-        optimizer.zero_grad()
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-        step += 1
-        probe.record.remote(rank, step, node, session)
-        if step % EVERY == 0 or step == STEPS:
-            with tempfile.TemporaryDirectory() as d:
-                ckpt = None
-                if rank == 0:
-                    torch.save(
-                        {
-                            "model": model.module.state_dict() if world > 1 else model.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "step": step,
-                        },
-                        Path(d) / "state.pt",
-                    )
-                    ckpt = ray.train.Checkpoint.from_directory(d)
-                ray.train.report({"step": step}, checkpoint=ckpt)
-        if step >= STEPS:
-            return
-
-
-def run_stock(cluster: Cluster, nodes: list[Any], storage: str) -> dict[str, float]:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    head = cluster.head_node.node_id
-    name = f"probe-{time.time_ns()}"  # a fresh name: the last run's probe may still be dying
-    probe = Probe.options(
-        name=name,
-        namespace=NAMESPACE,  # type: ignore[attr-defined]
-        scheduling_strategy=NodeAffinitySchedulingStrategy(head, False),
-    ).remote()
-    trainer = TorchTrainer(
-        stock_train_loop,
-        train_loop_config={"probe": name},
-        scaling_config=ScalingConfig(num_workers=(1, 3), resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(
-            name="stock", storage_path=storage, failure_config=FailureConfig(max_failures=3)
-        ),
-    )
-    started = time.time()
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def fit() -> None:
-        try:
-            trainer.fit()
-        except BaseException as e:  # report it in the table's run, not as a thread trace
-            errors.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=fit, daemon=True).start()
-    killed_at = _kill_when(lambda: ray.get(probe.all.remote()), cluster, nodes)
-    done.wait()
-    steps = ray.get(probe.all.remote())
-    ray.kill(probe)
-    if errors:
-        raise errors[0]
-    return _summary(steps, started, killed_at)
+ENDED = ("succeeded", "failed", "cancelled")
 
 
 def serve(data_dir: str) -> tuple[Any, threading.Thread, httpx.Client]:
@@ -198,6 +96,7 @@ def job_spec(steps: int, mode: str) -> dict[str, Any]:
             "learning_rate": 0.05,
             "seed": 0,
             "synthetic_samples": 100_000,
+            "record_samples": True,
         },
         "scaling": {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": EVERY, "keep": 3},
@@ -205,112 +104,140 @@ def job_spec(steps: int, mode: str) -> dict[str, Any]:
     }
 
 
+def stamp(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["time"]).timestamp()
+
+
+class JobEvents:
+    """A job's events, read page after page and then only the new ones on each call."""
+
+    def __init__(self, client: httpx.Client, job_id: str) -> None:
+        self.client, self.job_id = client, job_id
+        self.items: list[dict[str, Any]] = []
+        self.after = 0
+
+    def __call__(self) -> list[dict[str, Any]]:
+        while True:
+            page = self.client.get(
+                f"/v1/jobs/{self.job_id}/events", params={"after": self.after, "limit": 1000}
+            ).json()
+            self.items += page["items"]
+            if page["next_after"] == self.after:
+                return self.items
+            self.after = page["next_after"]
+
+
+def metrics_records(events: list[dict[str, Any]]) -> list[StepRecord]:
+    """One record per committed step, from the job's metrics events (rank 0 reports each)."""
+    return [
+        StepRecord(
+            stamp(e), 0, e["data"]["step"], str(e["data"]["attempt"]), e["data"]["world_size"], True
+        )
+        for e in events
+        if e["kind"] == "metrics"
+    ]
+
+
+def with_samples(records: list[StepRecord], job_root: Path) -> list[StepRecord]:
+    """The records with the samples of each (attempt, step) from the job's sample audit:
+    in restart mode each rank writes its share; in place each committing replica writes the
+    whole step, so one replica's record is the step's."""
+    shares: dict[tuple[str, int], list[int]] = {}
+    whole: dict[tuple[str, int], list[int]] = {}
+    for f in sorted((job_root / "samples").iterdir()):
+        target = whole if "replica" in f.name else shares
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            key = (str(r["a"]), r["s"])
+            if target is whole:
+                whole.setdefault(key, r["i"])
+            else:
+                shares.setdefault(key, []).extend(r["i"])
+    return [
+        StepRecord(
+            r.time,
+            r.rank,
+            r.step,
+            r.attempt,
+            r.world,
+            r.committed,
+            tuple(whole.get((r.attempt, r.step)) or shares.get((r.attempt, r.step)) or ()),
+        )
+        for r in records
+    ]
+
+
 def run_ours(
-    cluster: Cluster, nodes: list[Any], data_dir: str, mode: str = "restart"
-) -> dict[str, float]:
+    cluster: Cluster, nodes: list[Any], data_dir: str, mode: str
+) -> tuple[Run, dict[str, float]]:
     server, thread, client = serve(data_dir)
     started = time.time()
-    job = client.post("/v1/jobs", json=job_spec(STEPS, mode)).json()
-    job_id = job["id"]
+    job_id = client.post("/v1/jobs", json=job_spec(STEPS, mode)).json()["id"]
 
-    def progress() -> list[Step]:
-        items = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
-        return [
-            (
-                datetime.fromisoformat(e["time"]).timestamp(),
-                0,
-                e["data"]["step"],
-                "",
-                str(e["data"]["attempt"]),
-                e["data"].get("world_size", 0),
-            )
-            for e in items
-            if e["kind"] == "metrics"
-        ]
+    def rank1_node() -> str | None:
+        supervisor = ray.get_actor(f"etrain-supervisor-{job_id}", namespace=NAMESPACE)
+        status: Any = ray.get(supervisor.status.remote())
+        node: str | None = status["worker_nodes"].get(1)
+        return node
 
-    def status() -> dict[str, Any]:
-        return ray.get(
-            ray.get_actor(f"etrain-supervisor-{job_id}", namespace=NAMESPACE).status.remote()
-        )
+    def ended() -> bool:
+        return client.get(f"/v1/jobs/{job_id}").json()["state"] in ENDED
 
-    killed_at = _kill_when(
-        progress, cluster, nodes, rank1_node=lambda: status()["worker_nodes"].get(1)
+    events = JobEvents(client, job_id)
+    killed_at, added_at = kill_and_grow(
+        lambda: metrics_records(events()), rank1_node, cluster, nodes, ended
     )
-    while client.get(f"/v1/jobs/{job_id}").json()["state"] not in (
-        "succeeded",
-        "failed",
-        "cancelled",
-    ):
+    while not ended():
         time.sleep(0.2)
     final = client.get(f"/v1/jobs/{job_id}").json()
-    steps = progress()
-    items = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
-    shrink = next(e["data"] for e in items if e["kind"] == "resized")
+    items = events()
     server.should_exit = True
     thread.join(timeout=30)
     assert final["state"] == "succeeded", final
+    records = with_samples(metrics_records(items), Path(data_dir) / "checkpoints" / job_id)
+    # The job's own account of the loss, as its events report it.
     if mode == "in_place":
-        # No new session: the survivors train on in the same attempt. Recovery ends at the
-        # first step committed at the smaller world size; the pause and the steps redone are
-        # the survivors' own (the gap between the last commit before the loss and the first
-        # after it, and whether the step in flight was discarded).
         lost = next(e["data"] for e in items if e["kind"] == "worker_lost")
-        first_small = min(s[0] for s in steps if s[0] > killed_at and s[5] == 2)
-        return {
-            "recovery_s": first_small - killed_at,
-            "pause_s": lost["pause_seconds"],
-            "steps_redone": lost["steps_redone"],
-            "wall_s": max(s[0] for s in steps if s[2] == STEPS) - started,
+        reported = {
+            "reported_s": lost["recovery_seconds"],
+            "reported_pause_s": lost["pause_seconds"],
+            "reported_redone": lost["steps_redone"],
         }
-    return _summary(steps, started, killed_at) | {
-        "reported_s": shrink["recovery_seconds"],
-        "detection_s": shrink.get("detection_seconds") or 0.0,
-    }
+    else:
+        shrink = next(e["data"] for e in items if e["kind"] == "resized")
+        reported = {"reported_s": shrink["recovery_seconds"]}
+    return (records, started, killed_at, added_at), reported
 
 
-def _kill_when(progress: Any, cluster: Cluster, nodes: list[Any], rank1_node: Any = None) -> float:
-    """Kill the node of rank 1 once step KILL_AT_STEP is seen; returns the time of the kill."""
-    while True:
-        seen = progress()
-        if seen and max(s[2] for s in seen) >= KILL_AT_STEP:
-            break
-        time.sleep(0.02)
-    target_id = rank1_node() if rank1_node else next(s[3] for s in seen if s[1] == 1)
-    target = next(n for n in nodes if n.node_id == target_id)
-    cluster.remove_node(target, allow_graceful=False)
-    nodes.remove(target)
-    return time.time()
+def run_torchrun_side(work: str) -> Run:
+    from bench.recovery_torchrun import run_torchrun
+
+    return run_torchrun(work, STEPS, KILL_AT_STEP, GROW_AT_STEP, BATCH, EVERY)
 
 
-def _summary(steps: list[Step], started: float, killed_at: float) -> dict[str, float]:
-    """Recovery ends at the first step of a session (worker process, attempt) that began
-    after the kill; the steps redone are those the lost sessions had reached beyond the
-    checkpoint the new one resumed from."""
-    old_sessions = {s[4] for s in steps if s[0] <= killed_at}
-    reached = max(s[2] for s in steps if s[4] in old_sessions)
-    resumed = min((s for s in steps if s[4] not in old_sessions), key=lambda s: s[0])
-    return {
-        "recovery_s": resumed[0] - killed_at,
-        "steps_redone": max(0, reached - (resumed[2] - 1)),
-        "wall_s": max(s[0] for s in steps if s[2] == STEPS) - started,
-    }
-
-
-def _fresh_node(cluster: Cluster, nodes: list[Any]) -> None:
-    """Back to three worker nodes after a run killed one."""
-    while len(nodes) < 3:
-        nodes.append(cluster.add_node(num_cpus=1))
-    cluster.wait_for_nodes()
-    time.sleep(2)  # let the previous run's actors and placement groups go
-
-
+SIDES = ["stock", "ray_torchft", "torchrun", "restart", "in_place"]
+HEADERS = {
+    "stock": "stock Ray Train",
+    "ray_torchft": "Ray Train + torchft",
+    "torchrun": "torchrun elastic",
+    "restart": "ours, restart",
+    "in_place": "ours, in_place",
+}
 ROWS = [
-    ("recovery seconds (kill to first resumed step)", "recovery_s", "{:.1f}"),
-    ("longest pause of the survivors (s)", "pause_s", "{:.2f}"),
+    ("kill to first step at the smaller size (s)", "recovery_s", "{:.2f}"),
+    ("longest training pause after the kill (s)", "pause_s", "{:.2f}"),
     ("steps redone", "steps_redone", "{:.0f}"),
+    ("samples lost in the final model", "samples_lost", "{:.0f}"),
+    ("samples trained twice in the final model", "samples_doubled", "{:.0f}"),
+    ("node back to first step at the bigger size (s)", "grow_s", "{:.1f}"),
+    ("longest pause while growing (s)", "grow_pause_s", "{:.2f}"),
+    ("samples/s at 3 workers before the kill", "steady_sps", "{:.0f}"),
     ("wall time, start to the last step (s)", "wall_s", "{:.1f}"),
-    ("ours as reported: recovery_seconds", "reported_s", "{:.1f}"),
-    ("ours as reported: detection_seconds", "detection_s", "{:.1f}"),
+    ("runs that grew back before the end", "grew", "{:.0f}"),
+    ("replicas that retrained the job alone (split brain)", "split_brain", "{:.0f}"),
+    ("ours as reported: recovery_seconds", "reported_s", "{:.2f}"),
+    ("ours as reported: pause_seconds", "reported_pause_s", "{:.2f}"),
+    ("ours as reported: steps_redone", "reported_redone", "{:.0f}"),
 ]
 
 
@@ -321,10 +248,42 @@ def _cell(values: list[float], fmt: str) -> str:
     return f"{mid} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def run_side(side: str, cluster: Cluster, nodes: list[Any], where: str) -> dict[str, float]:
+    extra: dict[str, float] = {}
+    if side == "stock":
+        run = run_stock(cluster, nodes, where)
+    elif side == "ray_torchft":
+        run = run_ray_torchft(cluster, nodes, where)
+    elif side == "torchrun":
+        run = run_torchrun_side(where)
+    else:
+        run, extra = run_ours(cluster, nodes, where, side)
+    records, started, killed_at, added_at = run
+    # The evidence behind the figures, kept for a second look.
+    Path(where).mkdir(parents=True, exist_ok=True)
+    Path(where, "records.json").write_text(
+        json.dumps(
+            {
+                "started": started,
+                "killed_at": killed_at,
+                "added_at": added_at,
+                "records": [dataclasses.astuple(r) for r in records],
+            }
+        )
+    )
+    figures = summarize(records, started, killed_at, added_at, STEPS, BATCH)
+    return figures | extra | {"grew": float("grow_s" in figures)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each side (>= 3)")
+    parser.add_argument("--sides", default=",".join(SIDES), help="a comma-separated subset")
     args = parser.parse_args()
+    sides = [s for s in args.sides.split(",") if s]
+    unknown = set(sides) - set(SIDES)
+    if unknown:
+        parser.error(f"unknown sides {sorted(unknown)}; choose from {SIDES}")
     keep_ray_on_loopback()
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     cluster = Cluster(
@@ -332,33 +291,28 @@ def main() -> None:
         head_node_args={"num_cpus": 0, "_system_config": FAST_FAILURE_DETECTION},
     )
     nodes: list[Any] = []
-    _fresh_node(cluster, nodes)
+    fresh_nodes(cluster, nodes)
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
     work = tempfile.mkdtemp(prefix="etrain-bench-")
-    sides = ["stock", "ours", "in_place"]
+    print(f"each run's step records: {work}/<side>-<repetition>/records.json", flush=True)
     results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for rep in range(args.repeat):
         # Each side takes each place in the order in turn.
-        order = sides[rep % 3 :] + sides[: rep % 3]
-        for side in order:
-            where = os.path.join(work, f"{side}-{rep}")
-            if side == "stock":
-                run = run_stock(cluster, nodes, where)
-            else:
-                mode = "in_place" if side == "in_place" else "restart"
-                run = run_ours(cluster, nodes, where, mode)
+        shift = rep % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            run = run_side(side, cluster, nodes, os.path.join(work, f"{side}-{rep}"))
             results[side].append(run)
             print(f"repetition {rep + 1}, {side}: {run}", flush=True)
-            _fresh_node(cluster, nodes)
+            fresh_nodes(cluster, nodes)
 
     print()
-    print(f"median (range) of {args.repeat} runs per side, sides alternated")
+    print(f"median (range) of {args.repeat} runs per side, sides rotated")
     print()
-    print(f"| {'':46} | stock Ray Train 2.60 | ours, restart        | ours, in_place       |")
-    print(f"| {'-' * 46} | -------------------- | -------------------- | -------------------- |")
+    print(f"| {'':48} | " + " | ".join(f"{HEADERS[s]:>21}" for s in sides) + " |")
+    print(f"| {'-' * 48} | " + " | ".join("-" * 21 for _ in sides) + " |")
     for label, key, fmt in ROWS:
         cells = [_cell([r[key] for r in results[side] if key in r], fmt) for side in sides]
-        print(f"| {label:46} | " + " | ".join(f"{c:>20}" for c in cells) + " |")
+        print(f"| {label:48} | " + " | ".join(f"{c:>21}" for c in cells) + " |")
     ray.shutdown()
     cluster.shutdown()
 

@@ -6,6 +6,7 @@ is computed by the same code from the same kind of evidence."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -59,8 +60,13 @@ def summarize(
       world, and the longest gap between committed steps in that span (absent when the
       job did not grow before it ended);
     - wall_s: start to the last step;
+    - split_brain: replicas that trained the whole job again alone after it had ended;
     - steady_sps: samples/s at the starting world size, over the steps before the kill.
     """
+    # A replica that trained the job again alone, after it had ended (split brain), made
+    # a second model: counted, and kept out of every other figure.
+    alone = {r.attempt for r in records if r.attempt.startswith("split-brain:")}
+    records = [r for r in records if r.attempt not in alone]
     done = sorted((r for r in records if r.committed), key=lambda r: r.time)
     before = [r for r in done if r.time <= killed_at]
     world_at_kill = max(r.world for r in before if r.time == before[-1].time)
@@ -69,15 +75,12 @@ def summarize(
         "recovery_s": smaller.time - killed_at,
         "pause_s": _longest_gap(done, before[-1].time, smaller.time),
         "wall_s": max(r.time for r in done if r.step == steps) - started,
+        "split_brain": len(alone),
     }
     kept = lineage(records)
     kept_set = set(kept)
     out["steps_redone"] = len(
-        {
-            r.step
-            for r in records
-            if r not in kept_set and r.time <= smaller.time
-        }
+        {r.step for r in records if r not in kept_set and r.time <= smaller.time}
     )
     if any(r.indices for r in kept):
         counts = Counter(i for r in kept for i in r.indices)
@@ -105,4 +108,4 @@ def _longest_gap(done: list[StepRecord], start: float, end: float) -> float:
     """The longest time between one committed step and the next in [start, end]; the span
     starts at ``start`` itself when no step was committed exactly then."""
     times = sorted({start, *(r.time for r in done if start <= r.time <= end)})
-    return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+    return max((b - a for a, b in itertools.pairwise(times)), default=0.0)

@@ -21,21 +21,17 @@ import json
 import os
 import tempfile
 import time
-from datetime import datetime
 from typing import Any
 
 import ray
 from ray._private import state as ray_state
 from ray.cluster_utils import Cluster
 
-from bench.recovery import NAMESPACE, Step, _fresh_node, _kill_when, job_spec, serve
+from bench.recovery import JobEvents, job_spec, metrics_records, serve, stamp
+from bench.recovery_ray import NAMESPACE, fresh_nodes, kill_and_grow
 from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
 
 STEPS = 80
-
-
-def stamp(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["time"]).timestamp()
 
 
 def main() -> None:
@@ -51,23 +47,13 @@ def main() -> None:
         initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": system_config}
     )
     nodes: list[Any] = []
-    _fresh_node(cluster, nodes)
+    fresh_nodes(cluster, nodes)
     ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
 
     server, thread, client = serve(tempfile.mkdtemp(prefix="etrain-profile-"))
     job_id = client.post("/v1/jobs", json=job_spec(STEPS, "restart")).json()["id"]
 
-    def events() -> list[dict[str, Any]]:
-        page = client.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000})
-        items: list[dict[str, Any]] = page.json()["items"]
-        return items
-
-    def progress() -> list[Step]:
-        return [
-            (stamp(e), 0, e["data"]["step"], "", str(e["data"]["attempt"]), 0)
-            for e in events()
-            if e["kind"] == "metrics"
-        ]
+    events = JobEvents(client, job_id)
 
     def rank1_node() -> str | None:
         supervisor = ray.get_actor(f"etrain-supervisor-{job_id}", namespace=NAMESPACE)
@@ -75,7 +61,10 @@ def main() -> None:
         node: str | None = status["worker_nodes"].get(1)
         return node
 
-    killed_at = _kill_when(progress, cluster, nodes, rank1_node=rank1_node)
+    # No node comes back: the profile is of the restart after the kill alone.
+    killed_at, _ = kill_and_grow(
+        lambda: metrics_records(events()), rank1_node, cluster, nodes, lambda: True
+    )
     while client.get(f"/v1/jobs/{job_id}").json()["state"] not in {
         "succeeded",
         "failed",

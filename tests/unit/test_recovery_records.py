@@ -1,0 +1,115 @@
+"""The recovery bench's one summary, on hand-made step records: every side's figures come
+from it, so its arithmetic is checked here, in milliseconds."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.recovery_records import StepRecord, lineage, summarize
+
+BATCH = 6
+
+
+def steps(
+    attempt: str, first: int, last: int, world: int, t0: float, dt: float = 1.0
+) -> list[StepRecord]:
+    """One record per rank per step, each rank with its contiguous share of positions
+    [k*B, (k+1)*B) (a resize-invariant sampler: the same samples at any world size)."""
+    out = []
+    for n, step in enumerate(range(first, last + 1)):
+        share = BATCH // world
+        for rank in range(world):
+            start = (step - 1) * BATCH + rank * share
+            out.append(
+                StepRecord(
+                    t0 + n * dt,
+                    rank,
+                    step,
+                    attempt,
+                    world,
+                    True,
+                    tuple(range(start, start + share)),
+                )
+            )
+    return out
+
+
+def test_a_restart_redoes_the_steps_since_its_checkpoint_and_counts_no_sample_twice() -> None:
+    # Steps 1-12 at 3 workers (t=0..11), a kill at t=11.5, a restart from the checkpoint at
+    # step 10 that trains steps 11-20 at 2 workers from t=20.
+    records = steps("a", 1, 12, 3, 0.0) + steps("b", 11, 20, 2, 20.0)
+    figures = summarize(records, 0.0, 11.5, None, 20, BATCH)
+    assert figures["recovery_s"] == pytest.approx(8.5)
+    assert figures["pause_s"] == pytest.approx(9.0)  # step 12 at t=11 to step 11 at t=20
+    assert figures["steps_redone"] == 2  # 11 and 12, replaced by attempt b's
+    assert figures["samples_lost"] == 0
+    assert figures["samples_doubled"] == 0
+    assert figures["split_brain"] == 0
+    assert figures["wall_s"] == pytest.approx(29.0)
+    # Steps 4..12 at 3 workers: 8 steps of 6 samples in 8 s.
+    assert figures["steady_sps"] == pytest.approx(6.0)
+    assert "grow_s" not in figures
+
+
+def test_a_stock_restart_that_replays_its_epoch_counts_the_replayed_samples_twice() -> None:
+    # The restart resumes at step 11 but its loader starts the epoch again (positions of
+    # steps 1-10): 60 samples go into the model twice, and the last 60 never.
+    replay = [
+        StepRecord(r.time, r.rank, r.step + 10, "b", r.world, True, r.indices)
+        for r in steps("b", 1, 10, 2, 20.0)
+    ]
+    figures = summarize(steps("a", 1, 12, 3, 0.0) + replay, 0.0, 11.5, None, 20, BATCH)
+    assert figures["samples_doubled"] == 60
+    assert figures["samples_lost"] == 0  # as many samples as an exact run, just not the same
+
+
+def test_in_place_a_discarded_step_is_one_step_redone_and_a_join_is_measured() -> None:
+    # Steps 1-12 at 3 (t=0..11), kill at 11.5, step 13 tried and thrown away at t=11.6,
+    # redone at 2 from t=12.2; a node back at t=20 joins at step 22 (t=21.2).
+    records = steps("x", 1, 12, 3, 0.0)
+    records.append(StepRecord(11.6, 0, 13, "x", 3, False, ()))
+    records += steps("x", 13, 21, 2, 12.2)
+    records += steps("x", 22, 30, 3, 21.2)
+    figures = summarize(records, 0.0, 11.5, 20.0, 30, BATCH)
+    assert figures["recovery_s"] == pytest.approx(0.7)
+    assert figures["pause_s"] == pytest.approx(1.2)
+    assert figures["steps_redone"] == 1
+    assert figures["samples_lost"] == figures["samples_doubled"] == 0
+    assert figures["grow_s"] == pytest.approx(1.2)
+    assert figures["grow_pause_s"] == pytest.approx(1.0)  # the steps go on while it joins
+
+
+def test_a_smaller_quorum_with_a_fixed_batch_per_replica_loses_samples() -> None:
+    # torchft's way: 2 samples per replica, so 4 per step at 2 replicas, not 6.
+    records = steps("t", 1, 12, 3, 0.0)
+    for n, step in enumerate(range(13, 21)):
+        for rank in range(2):
+            start = (step - 1) * BATCH + rank * 2
+            records.append(StepRecord(12.0 + n, rank, step, "t", 2, True, (start, start + 1)))
+    figures = summarize(records, 0.0, 11.5, None, 20, BATCH)
+    assert figures["samples_lost"] == 8 * 2
+    assert figures["samples_doubled"] == 0
+
+
+def test_a_replica_that_retrains_the_job_alone_is_set_apart() -> None:
+    records = steps("t", 1, 12, 3, 0.0) + steps("t", 13, 20, 2, 12.0)
+    alone = [
+        StepRecord(r.time, 0, r.step, "split-brain:9", 1, True, r.indices[:2])
+        for r in steps("s", 1, 20, 3, 30.0)
+        if r.rank == 0
+    ]
+    figures = summarize(records + alone, 0.0, 11.5, None, 20, BATCH)
+    assert figures["split_brain"] == 1
+    assert figures["wall_s"] == pytest.approx(19.0)  # the job's end, not the lone replica's
+    assert figures["samples_lost"] == figures["samples_doubled"] == 0
+
+
+def test_lineage_keeps_the_attempt_that_committed_a_step_last() -> None:
+    records = steps("a", 1, 3, 2, 0.0) + steps("b", 2, 3, 1, 10.0)
+    kept = lineage(records)
+    assert sorted((r.step, r.attempt, r.rank) for r in kept) == [
+        (1, "a", 0),
+        (1, "a", 1),
+        (2, "b", 0),
+        (3, "b", 0),
+    ]
