@@ -272,6 +272,10 @@ def run_side(side: str, cluster: Cluster, nodes: list[Any], where: str) -> dict[
         )
     )
     figures = summarize(records, started, killed_at, added_at, STEPS, BATCH)
+    if "reported_redone" in extra:
+        # In place, a step thrown away leaves no record (the job reports committed steps
+        # only); the job counts it itself.
+        figures["steps_redone"] = extra["reported_redone"]
     return figures | extra | {"grew": float("grow_s" in figures)}
 
 

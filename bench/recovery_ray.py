@@ -49,15 +49,16 @@ class Probe:
         self.steps: list[StepRecord] = []
         self.nodes: dict[int, str] = {}
 
-    def record(self, record: StepRecord, node: str) -> None:
+    def record(self, record: StepRecord, node: str, worker_rank: int) -> None:
         self.steps.append(record)
-        self.nodes[record.rank] = node
+        self.nodes[worker_rank] = node
 
     def all(self) -> list[StepRecord]:
         return list(self.steps)
 
-    def node_of(self, rank: int) -> str | None:
-        return self.nodes.get(rank)
+    def node_of(self, worker_rank: int) -> str | None:
+        """The node of Ray Train's worker of this rank (with torchft, not the quorum rank)."""
+        return self.nodes.get(worker_rank)
 
 
 def _indexed_images() -> Any:
@@ -118,7 +119,7 @@ def stock_train_loop(config: dict[str, Any]) -> None:
         optimizer.step()
         step += 1
         record = StepRecord(time.time(), rank, step, attempt, world, True, tuple(i.tolist()))
-        probe.record.remote(record, node)
+        probe.record.remote(record, node, rank)
         if step % EVERY == 0 or step == STEPS:
             with tempfile.TemporaryDirectory() as d:
                 ckpt = None
@@ -213,7 +214,7 @@ def torchft_train_loop(config: dict[str, Any]) -> None:
             after > before,
             tuple(i.tolist()),
         )
-        probe.record.remote(record, node)
+        probe.record.remote(record, node, rank)
     manager.shutdown()
 
 
@@ -364,15 +365,18 @@ def kill_and_grow(
     nodes: list[Any],
     ended: Callable[[], bool],
 ) -> tuple[float, float | None]:
-    """Kill rank 1's node (its raylet, not a polite shutdown) once step KILL_AT_STEP is seen;
+    """Kill rank 1's node (its raylet, not a polite shutdown) once step KILL_AT_STEP is seen
+    at full size;
     add a node back once the smaller world has reached GROW_AT_STEP. Returns the times of
     the kill and of the node's return (None when the job ended first)."""
     while True:
+        # At full size: with torchft the first replicas train before the last one joins.
         seen = progress()
-        if seen and max(r.step for r in seen) >= KILL_AT_STEP:
-            break
+        if any(r.step >= KILL_AT_STEP and r.world == WORKER_NODES for r in seen):
+            target_id = rank1_node()
+            if target_id is not None:
+                break
         time.sleep(0.02)
-    target_id = rank1_node()
     target = next(n for n in nodes if n.node_id == target_id)
     cluster.remove_node(target, allow_graceful=False)
     killed_at = time.time()

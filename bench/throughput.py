@@ -6,7 +6,9 @@ momentum), 64 samples per worker per step, the same number of steps, at 1 and 2 
   (a) ``torchrun`` running a plain DDP loop (Gloo, ``DistributedSampler``);
   (b) Ray Train's ``TorchTrainer`` running the same plain loop (``prepare_model``,
       ``prepare_data_loader``), on a Ray instance started beforehand;
-  (c) the job submitted to ``etrain serve`` (its embedded Ray started beforehand).
+  (c) the job submitted to ``etrain serve`` (its embedded Ray started beforehand);
+  (d) the same job with ``fault_tolerance: in_place`` (torchft's quorum every step), whose
+      gap to (a) is the per-step cost of in-place recovery, printed in ms.
 
 Like with like: the Ray instance of (b) and the service of (c) are both up for the whole
 run, so every side shares the machine with the same idle processes; each repetition runs
@@ -15,15 +17,15 @@ the table gives the median and range over the repetitions.
 
 Steady-state samples/s is the samples of steps WARM+1..last over the time they took, on the
 clock of the worker of rank 0 on every side: (a) and (b) stamp the end of steps WARM and
-last; (c) sums the windows its loop reports every WARM steps (each measured on the worker,
-from after one report to the next, so its small report all-reduce is left out; the plain
-loops have none). Time to first step is from launch to the end of step 1: (a) from
+last; (c) and (d) sum the windows their loops report every WARM steps (each measured on
+the worker, from after one report to the next, so (c)'s small report all-reduce is left
+out; the plain loops have none; (d)'s quorum and torchft all-reduce are in). Time to first step is from launch to the end of step 1: (a) from
 starting ``torchrun``, (b) from building the ``TorchTrainer`` (before ``fit()``), (c) from
 ``POST /v1/jobs``; (c)'s step 1 is when the service received the step's report (the worker
 does not stamp it), which counts the report's way to the store against us. Every worker
 uses one CPU thread (Ray's default for one CPU; set for torchrun too).
 
-    .venv/bin/python -m bench.throughput --repeat 3
+    .venv/bin/python -m bench.throughput --repeat 3 [--sides ad] [--models resnet18]
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ def run_ray_train(model_name: str, world: int, out: str, storage: str) -> dict[s
 # -- (c) this service -----------------------------------------------------------------------
 
 
-def job_spec(model_name: str, world: int) -> dict[str, Any]:
+def job_spec(model_name: str, world: int, mode: str = "restart") -> dict[str, Any]:
     steps = STEPS[model_name]
     return {
         "name": f"bench-{model_name}-{world}",
@@ -189,13 +191,16 @@ def job_spec(model_name: str, world: int) -> dict[str, Any]:
         },
         "scaling": {"min_workers": world, "max_workers": world, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": steps, "keep": 1},
+        "fault_tolerance": mode,
     }
 
 
-def run_service(client: Any, model_name: str, world: int) -> dict[str, float]:
+def run_service(
+    client: Any, model_name: str, world: int, mode: str = "restart"
+) -> dict[str, float]:
     steps = STEPS[model_name]
     submitted = time.time()
-    job = client.post("/v1/jobs", json=job_spec(model_name, world)).json()
+    job = client.post("/v1/jobs", json=job_spec(model_name, world, mode)).json()
     while client.get(f"/v1/jobs/{job['id']}").json()["state"] not in (
         "succeeded",
         "failed",
@@ -250,7 +255,7 @@ def start_service(data_dir: str, port: int) -> subprocess.Popen[bytes]:
 # -- the table ------------------------------------------------------------------------------
 
 
-SIDES = {"a": "torchrun", "b": "Ray Train", "c": "elastic-train"}
+SIDES = {"a": "torchrun", "b": "Ray Train", "c": "elastic-train", "d": "elastic-train in place"}
 
 
 def _cell(values: list[float], fmt: str) -> str:
@@ -262,6 +267,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=3, help="runs of every case on every side")
+    parser.add_argument("--sides", default="abcd", help="which sides, e.g. ad")
+    parser.add_argument("--models", default=",".join(STEPS), help="e.g. resnet18")
     args = parser.parse_args()
     if args.worker:  # a torchrun worker
         model_name, steps, out, launched = args.worker
@@ -273,7 +280,7 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="etrain-throughput-")
     runs: dict[tuple[str, int, str], list[dict[str, float]]] = {}
-    cases = [(m, w) for m in STEPS for w in WORLDS]
+    cases = [(m, w) for m in args.models.split(",") for w in WORLDS]
     ray.init(address="local", num_cpus=max(WORLDS), include_dashboard=False, log_to_driver=False)
     server = start_service(f"{work}/service", 8766)
     try:
@@ -286,8 +293,9 @@ def main() -> None:
                 "a": lambda m, w, out: run_torchrun(m, w, out),
                 "b": lambda m, w, out: run_ray_train(m, w, out, f"{work}/ray"),
                 "c": lambda m, w, out: run_service(client, m, w),
+                "d": lambda m, w, out: run_service(client, m, w, "in_place"),
             }
-            order = list(sides)
+            order = [k for k in sides if k in args.sides]
             for rep in range(args.repeat):
                 for m, w in cases:
                     for side in order:
@@ -310,22 +318,41 @@ def main() -> None:
         return [t / b for t, b in pairs]
 
     print(f"\nmedian (range) of {args.repeat} repetitions, sides rotated\n")
+    chosen = [k for k in "abcd" if k in args.sides]
+    pairs = [(t, b) for t, b in (("c", "b"), ("c", "a"), ("d", "a")) if {t, b} <= set(chosen)]
     print(
-        "| model | workers | steps | samples/s (a) torchrun | (b) Ray Train | (c) elastic-train "
-        "| (c)/(b) | (c)/(a) | first step s (a) | (b) | (c) | (c)/(b) | (c)/(a) |"
+        "| model | workers | steps | "
+        + " | ".join(f"samples/s ({k}) {SIDES[k]}" for k in chosen)
+        + "".join(f" | ({t})/({b})" for t, b in pairs)
+        + " | "
+        + " | ".join(f"first step s ({k})" for k in chosen)
+        + "".join(f" | ({t})/({b})" for t, b in pairs)
+        + (" | quorum ms per step (d)-(a)" if ("d", "a") in pairs else "")
+        + " |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    columns = 3 + 2 * (len(chosen) + len(pairs)) + (("d", "a") in pairs)
+    print("|" + " --- |" * columns)
     for m, w in cases:
-        speed = [_cell(values(m, w, k, "samples_per_s"), "{:.0f}") for k in "abc"]
-        first = [_cell(values(m, w, k, "first_step_s"), "{:.1f}") for k in "abc"]
-        print(
-            f"| {m} | {w} | {STEPS[m]} | {' | '.join(speed)} "
-            f"| {_cell(ratios(m, w, 'c', 'b', 'samples_per_s'), '{:.2f}')} "
-            f"| {_cell(ratios(m, w, 'c', 'a', 'samples_per_s'), '{:.2f}')} "
-            f"| {' | '.join(first)} "
-            f"| {_cell(ratios(m, w, 'c', 'b', 'first_step_s'), '{:.2f}')} "
-            f"| {_cell(ratios(m, w, 'c', 'a', 'first_step_s'), '{:.2f}')} |"
-        )
+        speed = [_cell(values(m, w, k, "samples_per_s"), "{:.0f}") for k in chosen]
+        first = [_cell(values(m, w, k, "first_step_s"), "{:.1f}") for k in chosen]
+        row = [m, str(w), str(STEPS[m]), *speed]
+        row += [_cell(ratios(m, w, t, b, "samples_per_s"), "{:.2f}") for t, b in pairs]
+        row += first
+        row += [_cell(ratios(m, w, t, b, "first_step_s"), "{:.2f}") for t, b in pairs]
+        if ("d", "a") in pairs:
+            # The time a step takes more in place than plain DDP, per repetition: the
+            # quorum, its all-reduce through torchft, the per-step bookkeeping.
+            per_step = PER_WORKER_BATCH * w
+            extra = [
+                1000 * (per_step / d - per_step / a)
+                for d, a in zip(
+                    values(m, w, "d", "samples_per_s"),
+                    values(m, w, "a", "samples_per_s"),
+                    strict=True,
+                )
+            ]
+            row.append(_cell(extra, "{:.1f}"))
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

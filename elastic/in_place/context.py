@@ -110,6 +110,9 @@ class InPlaceContext(TrainContext):
         self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
         perm_epoch, perm = -1, None
         self.model.train()
+        # samples/s between two reports on this replica's clock, pauses and redone steps
+        # included: what the job really trained at.
+        window_start, window_samples = time.perf_counter(), 0
         while self.step < last_step:
             self.abort.new_step()
             self.manager.start_quorum()  # may heal this replica: step and position move
@@ -166,13 +169,16 @@ class InPlaceContext(TrainContext):
                 continue  # redone whole by the next quorum
             self.step = self.worker.completed_step = batch.step
             self.position = after
+            window_samples += global_batch
             samples.write(self.step, position.epoch, perm, position, dataset_size, global_batch)
             change = self.timeline.committed(self.step, participants, time.time())
             if change is not None and self.worker.rank == 0:
                 self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
                 self.worker.emit("resized", {"kind": "resized", **change.fields()})
             if self.step in (1, last_step) or self.step % report_every_steps == 0:
-                self._report(last_step, None)
+                elapsed = time.perf_counter() - window_start
+                self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
+                window_start, window_samples = time.perf_counter(), 0
             if self.step % self.worker.every_steps == 0 or self.step == last_step:
                 self.checkpoints.save(self.step)
                 if self.step == last_step:

@@ -12,10 +12,12 @@ import ray
 from elastic.attempt_runner import resolve
 from elastic.worker_config import WorkerConfig
 
-# The lighthouse forgets a replica whose heartbeats stop for this long: the survivors'
-# pause after a silent loss. A SIGKILLed peer surfaces sooner, as a collective error.
-HEARTBEAT_TIMEOUT_MS = 500
-HEARTBEAT_INTERVAL = timedelta(milliseconds=100)
+# The lighthouse forgets a replica whose heartbeats stop for this long. It is most of the
+# survivors' pause after a loss: a dead peer's collective error comes at once, but the
+# next quorum waits until the lighthouse has forgotten it. Six beats per timeout, so that
+# one or two beats late on a saturated node are not a loss (tested under load).
+HEARTBEAT_TIMEOUT_MS = 300
+HEARTBEAT_INTERVAL = timedelta(milliseconds=50)
 
 
 def make_manager(

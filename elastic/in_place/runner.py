@@ -25,6 +25,7 @@ from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_MS = 1000
+QUORUM_TICK_MS = 20
 # After a replica finished the job, how long the final checkpoint's writer may take.
 FINAL_WRITE_S = 60.0
 
@@ -50,6 +51,9 @@ class InPlaceRunner:
             min_replicas=1,
             join_timeout_ms=JOIN_TIMEOUT_MS,
             heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+            # A quorum waiting on a lost replica forms at the first tick after the
+            # lighthouse forgets it: torchft's default tick (100 ms) would add to the pause.
+            quorum_tick_ms=QUORUM_TICK_MS,
         )
 
     def _place(self, index: int, config: dict[str, Any], lighthouse: str, joiner: bool) -> Any:

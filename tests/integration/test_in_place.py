@@ -174,6 +174,9 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     print("in place, joins:", joined)
     assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)] * 2
     assert all(j["pause_seconds"] < JOIN_PAUSE_BOUND_S for j in joined), joined
+    # Every report says how fast the job trained since the one before.
+    rates = [e["data"]["samples_per_s"] for e in events(api, job["id"], "metrics")]
+    assert len(rates) >= steps and all(r is not None and r > 0 for r in rates), rates[:5]
 
     assert_exact(api, job["id"], tmp_path / "checkpoints")
 
