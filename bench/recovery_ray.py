@@ -29,6 +29,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from bench.recovery_job import indexed_images
 from bench.recovery_records import StepRecord
 
 NAMESPACE = "bench-recovery"
@@ -61,27 +62,6 @@ class Probe:
         return self.nodes.get(worker_rank)
 
 
-def _indexed_images() -> Any:
-    import torch
-
-    from jobs.workloads.image_classification import SyntheticImages
-
-    class Indexed(torch.utils.data.Dataset[Any]):
-        """The synthetic images with each sample's index, for the sample count."""
-
-        def __init__(self) -> None:
-            self.data = SyntheticImages(100_000, 32, 10, 0)
-
-        def __len__(self) -> int:
-            return len(self.data)
-
-        def __getitem__(self, i: int) -> tuple[Any, Any, int]:
-            x, y = self.data[i]
-            return x, y, i
-
-    return Indexed()
-
-
 def stock_train_loop(config: dict[str, Any]) -> None:
     """The job written the stock way: DDP, prepare_data_loader's DistributedSampler,
     checkpoints through ray.train.report, restore from ray.train.get_checkpoint()."""
@@ -110,7 +90,7 @@ def stock_train_loop(config: dict[str, Any]) -> None:
     attempt = f"from-{step}-at-{world}-{config['run']}"
     model = ray.train.torch.prepare_model(model)
     loader = ray.train.torch.prepare_data_loader(
-        DataLoader(_indexed_images(), batch_size=max(1, BATCH // world), shuffle=True)
+        DataLoader(indexed_images(), batch_size=max(1, BATCH // world), shuffle=True)
     )
     loss_fn = torch.nn.CrossEntropyLoss()
     for x, y, i in loader:
@@ -183,7 +163,7 @@ def torchft_train_loop(config: dict[str, Any]) -> None:
     ddp = DistributedDataParallel(manager, model)
     ft_optimizer = Optimizer(manager, optimizer)
     sampler = DistributedSampler(
-        _indexed_images(),
+        indexed_images(),
         replica_rank=rank,
         num_replica_groups=world,
         group_rank=0,
@@ -191,7 +171,7 @@ def torchft_train_loop(config: dict[str, Any]) -> None:
         shuffle=True,
         seed=0,
     )
-    loader = DataLoader(_indexed_images(), batch_size=BATCH // world, sampler=sampler)
+    loader = DataLoader(indexed_images(), batch_size=BATCH // world, sampler=sampler)
     batches = iter(loader)
     loss_fn = torch.nn.CrossEntropyLoss()
     while manager.current_step() < STEPS:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.recovery_job import indexed_images
 from bench.recovery_records import StepRecord, summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,27 +67,6 @@ RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 # --- the worker: what torchrun starts on every node ------------------------------------
-
-
-def _indexed_images() -> Any:
-    from torch.utils.data import Dataset
-
-    from jobs.workloads.image_classification import SyntheticImages
-
-    class IndexedImages(Dataset):  # type: ignore[type-arg]
-        """The synthetic images with each sample's index, for the samples audit."""
-
-        def __init__(self) -> None:
-            self.images = SyntheticImages(100_000, 32, 10, 0)
-
-        def __len__(self) -> int:
-            return len(self.images)
-
-        def __getitem__(self, i: int) -> tuple[Any, int, int]:
-            image, label = self.images[i]
-            return image, label, i
-
-    return IndexedImages()
 
 
 def _die_with_agent() -> None:
@@ -151,7 +131,7 @@ def worker_main(records_dir: str, ckpt_dir: str, steps: int, batch: int, every: 
     ckpt = Path(ckpt_dir) / "latest.pt"
     step, epoch = _load_checkpoint(ckpt, model, optimizer)
     ddp = DistributedDataParallel(model)
-    dataset = _indexed_images()
+    dataset = indexed_images()
     sampler: DistributedSampler[Any] = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=batch // world, sampler=sampler)
     criterion = nn.CrossEntropyLoss()

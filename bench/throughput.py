@@ -19,11 +19,12 @@ Steady-state samples/s is the samples of steps WARM+1..last over the time they t
 clock of the worker of rank 0 on every side: (a) and (b) stamp the end of steps WARM and
 last; (c) and (d) sum the windows their loops report every WARM steps (each measured on
 the worker, from after one report to the next, so (c)'s small report all-reduce is left
-out; the plain loops have none; (d)'s quorum and torchft all-reduce are in). Time to first step is from launch to the end of step 1: (a) from
-starting ``torchrun``, (b) from building the ``TorchTrainer`` (before ``fit()``), (c) from
-``POST /v1/jobs``; (c)'s step 1 is when the service received the step's report (the worker
-does not stamp it), which counts the report's way to the store against us. Every worker
-uses one CPU thread (Ray's default for one CPU; set for torchrun too).
+out; the plain loops have none; (d)'s quorum and torchft all-reduce are in). Time to
+first step is from launch to the end of step 1: (a) from starting ``torchrun``, (b) from
+building the ``TorchTrainer`` (before ``fit()``), (c) and (d) from ``POST /v1/jobs``; their
+step 1 is when the service received the step's report (the worker does not stamp it),
+which counts the report's way to the store against us. Every worker uses one CPU thread
+(Ray's default for one CPU; set for torchrun too).
 
     .venv/bin/python -m bench.throughput --repeat 3 [--sides ad] [--models resnet18]
 """
