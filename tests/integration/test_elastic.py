@@ -309,7 +309,7 @@ def test_a_job_whose_supervisor_dies_goes_on_from_its_checkpoint(
 
 
 # Kill to the first step at the new size: bench/recovery.py's median in the README is
-# 29.6 s (25.7-30.5) on the 2-core machine, and a full-suite run here once took 49 s (the
+# 23.7 s (22.0-24.4) on the 2-core machine, and a full-suite run here once took 49 s (the
 # machine loaded with the processes earlier tests leave); this leaves room for that, not for
 # a regression towards stock Ray Train's ~75 s.
 RECOVERY_BOUND_S = 60
