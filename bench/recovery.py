@@ -154,14 +154,9 @@ def with_samples(records: list[StepRecord], job_root: Path) -> list[StepRecord]:
             else:
                 shares.setdefault(key, []).extend(r["i"])
     return [
-        StepRecord(
-            r.time,
-            r.rank,
-            r.step,
-            r.attempt,
-            r.world,
-            r.committed,
-            tuple(whole.get((r.attempt, r.step)) or shares.get((r.attempt, r.step)) or ()),
+        dataclasses.replace(
+            r,
+            indices=tuple(whole.get((r.attempt, r.step)) or shares.get((r.attempt, r.step)) or ()),
         )
         for r in records
     ]

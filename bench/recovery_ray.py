@@ -244,17 +244,7 @@ def run_stock(cluster: Cluster, nodes: list[Any], storage: str) -> Run:
             name="stock", storage_path=storage, failure_config=FailureConfig(max_failures=3)
         ),
     )
-    started = time.time()
-    done = _in_thread(trainer.fit)
-    killed_at, added_at = kill_and_grow(
-        lambda: ray.get(probe.all.remote()),
-        lambda: ray.get(probe.node_of.remote(1)),
-        cluster,
-        nodes,
-        done.is_set,
-    )
-    done.wait()
-    return _finish(probe, done), started, killed_at, added_at
+    return _run_probed(probe, cluster, nodes, trainer.fit)
 
 
 def run_ray_torchft(cluster: Cluster, nodes: list[Any], storage: str) -> Run:
@@ -263,18 +253,10 @@ def run_ray_torchft(cluster: Cluster, nodes: list[Any], storage: str) -> Run:
     cluster.wait_for_nodes()
     try:
         driver = TorchftDriver.remote()  # type: ignore[attr-defined]
-        started = time.time()
-        fit = driver.fit.remote(name, storage)
-        done = _in_thread(lambda: ray.get(fit))
-        killed_at, added_at = kill_and_grow(
-            lambda: ray.get(probe.all.remote()),
-            lambda: ray.get(probe.node_of.remote(1)),
-            cluster,
-            nodes,
-            done.is_set,
+        records, started, killed_at, added_at = _run_probed(
+            probe, cluster, nodes, lambda: ray.get(driver.fit.remote(name, storage))
         )
-        done.wait()
-        return _split_brain(_finish(probe, done)), started, killed_at, added_at
+        return _split_brain(records), started, killed_at, added_at
     finally:
         cluster.remove_node(head)
 
@@ -296,6 +278,21 @@ def _split_brain(records: list[StepRecord]) -> list[StepRecord]:
         )
         for r in records
     ]
+
+
+def _run_probed(probe: Any, cluster: Cluster, nodes: list[Any], fit: Callable[[], Any]) -> Run:
+    """Run ``fit`` in a thread; kill and add back a node as the probe's records say."""
+    started = time.time()
+    done = _in_thread(fit)
+    killed_at, added_at = kill_and_grow(
+        lambda: ray.get(probe.all.remote()),
+        lambda: ray.get(probe.node_of.remote(1)),
+        cluster,
+        nodes,
+        done.is_set,
+    )
+    done.wait()
+    return _finish(probe, done), started, killed_at, added_at
 
 
 def _probe(cluster: Cluster) -> tuple[Any, str]:
