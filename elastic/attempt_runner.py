@@ -43,6 +43,11 @@ class AttemptRunner(Protocol):
         """End the running attempt now (its ``run`` then returns)."""
         ...
 
+    def leave(self, ranks: set[int]) -> set[int]:
+        """In place only: these workers leave the running attempt (their nodes are
+        draining) while the others train on. Returns those told."""
+        ...
+
 
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -162,6 +167,9 @@ class RayTrainRunner:
             return AttemptOutcome(None if self.stopped else f"the attempt's driver died: {e}")
         finally:
             self.stop()
+
+    def leave(self, ranks: set[int]) -> set[int]:
+        return set()  # a restart leaves a draining node by pausing at a checkpoint
 
     def stop(self) -> None:
         self.stopped = True

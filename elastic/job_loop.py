@@ -353,10 +353,27 @@ class JobLoop:
         the start is settled once the first replicas are placed."""
         self._claim_settled = False
         while not attempt.ended:
-            await self._next_snapshot()
+            snap = await self._next_snapshot()
             if not self._claim_settled and attempt.all_placed:
                 self._claim_settled = True
                 await self.capacity.settle()
+            self._leave_draining_nodes(attempt, snap)
+
+    def _leave_draining_nodes(self, attempt: Attempt, snap: Snapshot) -> None:
+        """In place, a drain notice needs no pause: the replicas on the draining nodes leave
+        the quorum at their next step boundary and the others train on without them."""
+        leaving = {r: n for r, n in attempt.worker_nodes.items() if n in snap.draining}
+        if not leaving:
+            return
+        told = self.runner.leave(set(leaving))
+        for rank in leaving:
+            del attempt.worker_nodes[rank]
+        log.info(
+            "job %s: replicas %s leave the draining nodes %s",
+            self.plan.job_id,
+            sorted(told),
+            sorted(set(leaving.values())),
+        )
 
     async def _maybe_reserve_growth(self, attempt: Attempt, snap: Snapshot) -> None:
         if (

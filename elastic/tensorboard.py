@@ -54,7 +54,9 @@ class TensorBoardLog:
     """Scalars and markers of one attempt; failures to write are logged, never raised: a
     full disk for the curves must not end the training."""
 
-    def __init__(self, checkpoint_dir: str, attempt: int, world_size: int, step: int) -> None:
+    def __init__(
+        self, checkpoint_dir: str, attempt: int, world_size: int, step: int, writer: str = ""
+    ) -> None:
         from tensorboardX import SummaryWriter  # installed with Ray; imported where used
 
         from elastic.checkpoint_storage import is_object_uri
@@ -71,7 +73,8 @@ class TensorBoardLog:
             # Points of earlier attempts after the checkpoint are redone: drop them.
             purge_step=step + 1 if step > 0 else None,
             flush_secs=FLUSH_S,
-            filename_suffix=f".attempt{attempt}",
+            # In place, each replica that becomes the quorum's rank 0 writes its own file.
+            filename_suffix=f".attempt{attempt}{writer}",
         )
         how = f"from the checkpoint of step {step}" if step > 0 else "from the start"
         self._text(step, f"attempt {attempt} began at world size {world_size}, {how}")

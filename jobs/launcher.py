@@ -178,7 +178,7 @@ def launch(
         last_world_size=resume.world_size if resume else 0,
         # Every attempt took a sequence number for its attempt_started event: none is above.
         first_attempt=first_seq if resume else 1,
-        fault_tolerance=spec.fault_tolerance,
+        fault_tolerance=spec.fault_tolerance or "restart",
     )
     options: dict[str, Any] = {
         "name": plan.actor_name,

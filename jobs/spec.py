@@ -143,6 +143,32 @@ class DistributedSpec(BaseModel):
     )
 
 
+def _why_not_in_place(strategy: str, sync: str, compression: str, gpus: int) -> str | None:
+    """Why a job with these options cannot recover in place (None: it can)."""
+    if strategy == "fsdp":
+        return (
+            "in_place recovery needs every worker to hold the whole model (a peer heals a "
+            "joiner): use strategy ddp with it, or fault_tolerance restart with fsdp"
+        )
+    if sync == "local_sgd":
+        return (
+            "in_place recovery averages gradients every step: use sync every_step with "
+            "it, or fault_tolerance restart with local_sgd"
+        )
+    if compression != "none":
+        return (
+            "in_place recovery averages exact gradients: use gradient_compression none "
+            "with it, or fault_tolerance restart"
+        )
+    if gpus > 0:
+        # Its replicas train on CPU with Gloo: torchft's NCCL path has not run on a GPU here.
+        return (
+            "in_place recovery runs on CPU workers in this release: use fault_tolerance "
+            "restart with scaling.gpus_per_worker above 0"
+        )
+    return None
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -158,11 +184,14 @@ class JobSpec(BaseModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     failure: FailureSpec = Field(default_factory=FailureSpec)
     distributed: DistributedSpec = Field(default_factory=DistributedSpec)
-    fault_tolerance: Literal["in_place", "restart"] = Field(
-        "restart",
+    fault_tolerance: Literal["in_place", "restart"] | None = Field(
+        None,
         description="in_place: the surviving workers train on through a node loss and new "
-        "workers join at a step boundary, healed from a peer (DDP only); restart: the job "
-        "restarts its workers from the latest checkpoint at the new size.",
+        "workers join at a step boundary, healed from a peer (DDP on CPU workers, every "
+        "step's gradients averaged exactly); restart: the job restarts its workers from the "
+        "latest checkpoint at the new size (FSDP, local SGD, gradient compression, GPUs). "
+        "Left out: in_place where the job's options allow it, restart otherwise; the job's "
+        "spec then says which it got.",
     )
 
     @property
@@ -260,30 +289,11 @@ class JobSpec(BaseModel):
                 "holds the averaged model",
                 d.local_sgd_period,
             )
-        if self.fault_tolerance == "in_place" and d.strategy == "fsdp":
-            raise field_error(
-                "JobSpec",
-                "fault_tolerance",
-                "in_place recovery needs every worker to hold the whole model (a peer heals a "
-                "joiner): use strategy ddp with it, or fault_tolerance restart with fsdp",
-                self.fault_tolerance,
-            )
-        if self.fault_tolerance == "in_place" and d.sync == "local_sgd":
-            raise field_error(
-                "JobSpec",
-                "fault_tolerance",
-                "in_place recovery averages gradients every step: use sync every_step with "
-                "it, or fault_tolerance restart with local_sgd",
-                self.fault_tolerance,
-            )
-        if self.fault_tolerance == "in_place" and d.gradient_compression != "none":
-            raise field_error(
-                "JobSpec",
-                "fault_tolerance",
-                "in_place recovery averages exact gradients: use gradient_compression none "
-                "with it, or fault_tolerance restart",
-                self.fault_tolerance,
-            )
+        why_not = _why_not_in_place(d.strategy, d.sync, d.gradient_compression, gpus)
+        if self.fault_tolerance is None:
+            self.fault_tolerance = "restart" if why_not else "in_place"
+        elif self.fault_tolerance == "in_place" and why_not:
+            raise field_error("JobSpec", "fault_tolerance", why_not, self.fault_tolerance)
         if d.precision != "fp32" and self.hyperparameters.get("dtype") == "float64":
             raise refuse(
                 "precision",

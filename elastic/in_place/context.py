@@ -11,6 +11,7 @@ joins heals from a peer (model, optimizer, schedule, step, sampler position) at 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from elastic import mlflow_log
 from elastic.checkpoint_state import RankRng, seed_rank
 from elastic.in_place.abort import StepAbort
 from elastic.in_place.steps import Timeline, loss_weight, participant_indices
@@ -33,6 +35,16 @@ from elastic.loop import (
     micro_batches,
 )
 from elastic.sampling import SamplerPosition, advance, epoch_permutation
+from elastic.tensorboard import TensorBoardLog
+
+
+class LeftTheQuorum(Exception):
+    """Raised out of ``ctx.batches`` at a step boundary when this replica's node is draining:
+    it leaves the quorum, the others train on without it."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"left the quorum after step {step} (its node is draining)")
+        self.step = step
 
 
 class InPlaceContext(TrainContext):
@@ -59,6 +71,11 @@ class InPlaceContext(TrainContext):
         self._participants = 1
         # Set from another thread when the supervisor hears that a peer is gone.
         self.abort = StepAbort()
+        # Set from another thread when this replica's node is draining: leave at the next
+        # step boundary (with a checkpoint of that step when no other replica stays).
+        self.leaving = threading.Event()
+        self.save_on_leave = False
+        self._logs_open = False
 
     # -- the heal state: every replicated checkpoint part ------------------------------------
 
@@ -114,6 +131,8 @@ class InPlaceContext(TrainContext):
         # included: what the job really trained at.
         window_start, window_samples = time.perf_counter(), 0
         while self.step < last_step:
+            if self.leaving.is_set():
+                self._leave()
             self.abort.new_step()
             self.manager.start_quorum()  # may heal this replica: step and position move
             if self.step >= last_step:
@@ -130,6 +149,8 @@ class InPlaceContext(TrainContext):
             # The quorum's rank 0 writes checkpoints and reports, as rank 0 does elsewhere.
             self.worker.rank = rank if rank is not None else participants
             self._participants = participants
+            if self.worker.rank == 0:
+                self._open_logs(participants)
             # Randomness of a step depends on (seed, rank in the quorum, step) only: the
             # same after a heal, a redo or a resize.
             seed_rank(seed, self.worker.rank, self.step)
@@ -173,7 +194,8 @@ class InPlaceContext(TrainContext):
             samples.write(self.step, position.epoch, perm, position, dataset_size, global_batch)
             change = self.timeline.committed(self.step, participants, time.time())
             if change is not None and self.worker.rank == 0:
-                self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
+                if change.kind != "drain":  # a drain is a resize, no loss
+                    self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
                 self.worker.emit("resized", {"kind": "resized", **change.fields()})
             if self.step in (1, last_step) or self.step % report_every_steps == 0:
                 elapsed = time.perf_counter() - window_start
@@ -183,6 +205,40 @@ class InPlaceContext(TrainContext):
                 self.checkpoints.save(self.step)
                 if self.step == last_step:
                     self.checkpoints.wait()
+
+    def _leave(self) -> None:
+        if self.save_on_leave and self.worker.rank == 0:
+            # The last replica standing: what it trained is kept for the next attempt.
+            self.checkpoints.save(self.step)
+        self.checkpoints.wait()
+        raise LeftTheQuorum(self.step)
+
+    def _open_logs(self, participants: int) -> None:
+        """TensorBoard and MLflow are written by the quorum's rank 0: the first time this
+        replica is it, it opens its own event file and its share of the job's MLflow run."""
+        if self._logs_open or self.worker.supervisor is None:
+            return
+        self._logs_open = True
+        meta = self.worker.config
+        self.worker.tensorboard = TensorBoardLog(
+            meta.checkpoint_dir, meta.attempt, participants, self.step, f".replica{self.replica}"
+        )
+        self.worker.mlflow = mlflow_log.for_worker(
+            self.config, meta.attempt, participants, self.step
+        )
+
+    def evaluate(
+        self, dataset: Dataset, loss_per_sample: LossPerSample | None = None, batch_size: int = 256
+    ) -> dict[str, float]:
+        """Each replica evaluates the whole held-out set on its own: a replica is a world of
+        one, every replica holds the same model, and no collective outside the quorum's
+        all-reduce can lose a peer."""
+        rank = self.worker.rank
+        self.worker.rank = 0
+        try:
+            return super().evaluate(dataset, loss_per_sample, batch_size)
+        finally:
+            self.worker.rank = rank
 
     def train_step(self, batch: StepBatch, loss_per_sample: LossPerSample) -> None:
         model, optimizer = self.model, self.optimizer

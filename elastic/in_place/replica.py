@@ -81,6 +81,18 @@ class Replica:
             return False
         return bool(self.ctx.abort.request(dropped_for_s))
 
+    def leave(self, save: bool) -> None:
+        """Its node is draining: leave the quorum at the next step boundary (``save``: no
+        other replica stays, so first checkpoint that step)."""
+        if self.ctx is not None:
+            self.ctx.save_on_leave = save
+            self.ctx.leaving.set()
+
+    def expect_drain(self) -> None:
+        """Peers are leaving a draining node: the next shrink of the quorum is a drain."""
+        if self.ctx is not None:
+            self.ctx.timeline.expect_drain()
+
     def run(
         self,
         config: dict[str, Any],
@@ -89,7 +101,7 @@ class Replica:
         timeout_s: float,
         must_heal: bool,
     ) -> str:
-        from elastic.in_place.context import InPlaceContext
+        from elastic.in_place.context import InPlaceContext, LeftTheQuorum
         from elastic.worker import WorkerContext
         from elastic.worker_logs import forward_output
 
@@ -124,8 +136,11 @@ class Replica:
             with forward_output(send):
                 resolve(meta.train_loop)(config, ctx)
             ctx.checkpoints.wait()
+        except LeftTheQuorum:
+            return "left"
         finally:
             if ctx.manager is not None:
                 ctx.manager.shutdown(wait=False)
+            worker.close()  # its TensorBoard points and MLflow share, whatever happened
         # The quorum's rank 0 wrote the final checkpoint: the runner waits for its word.
         return "finished" if worker.rank == 0 else "finished as a replica"

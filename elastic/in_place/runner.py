@@ -35,6 +35,8 @@ class InPlaceRunner:
         self.plan = plan
         self.config_for = config_for  # AttemptSpec -> the train-loop config
         self.actors: dict[int, Any] = {}
+        # Replicas told to leave a draining node: not a loss when their heartbeats stop.
+        self.leaving: set[int] = set()
         self.stopped = asyncio.Event()
 
     async def _fence(self, index: int) -> None:
@@ -99,6 +101,7 @@ class InPlaceRunner:
                     try:
                         fut.result()
                     except ray.exceptions.RayActorError:
+                        self.leaving.discard(index)
                         # Its node went, or its process died: the others train on; a
                         # replacement waits for capacity in Ray's queue. A worker left behind
                         # by a dead raylet can still hold the survivors' all-reduce: killed.
@@ -115,6 +118,15 @@ class InPlaceRunner:
                         return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
                     finally:
                         self.actors.pop(index, None)
+                    if fut.result() == "left":
+                        # It left a draining node at a step boundary; its replacement waits
+                        # for capacity elsewhere (Ray places nothing on a draining node).
+                        self.leaving.discard(index)
+                        if not self.stopped.is_set():
+                            call = self._place(next_index, config, address, True)
+                            runs[asyncio.ensure_future(call)] = next_index
+                            next_index += 1
+                        continue
                     # The job is finished: decided here, once, when the replica that wrote the
                     # final checkpoint says so (the others are stopped then).
                     if fut.result() == "finished":
@@ -143,7 +155,11 @@ class InPlaceRunner:
             except OSError as e:
                 log.warning("in-place watch: lighthouse status unreadable: %s", e)
                 continue
-            ids = {f"{supervisor}-r{index}": index for index in self.actors}
+            ids = {
+                f"{supervisor}-r{index}": index
+                for index in self.actors
+                if index not in self.leaving
+            }
             for rid, dropped_for in detector.dropped(ids, ages).items():
                 lost = self.actors.get(ids[rid])
                 log.warning("in-place: replica %s dropped by the lighthouse; aborting", rid)
@@ -152,6 +168,21 @@ class InPlaceRunner:
                 for actor in list(self.actors.values()):
                     if actor is not lost:
                         actor.abort_step.remote(dropped_for)
+
+    def leave(self, indices: set[int]) -> set[int]:
+        """Replicas ``indices`` are on draining nodes: each leaves the quorum at its next step
+        boundary, and the others label the shrink a drain. When none would stay, the quorum's
+        rank 0 checkpoints its step first. Returns the replicas told."""
+        told = {i for i in indices if i in self.actors and i not in self.leaving}
+        if not told:
+            return told
+        self.leaving |= told
+        staying = [a for i, a in self.actors.items() if i not in self.leaving]
+        for actor in staying:
+            actor.expect_drain.remote()
+        for index in told:
+            self.actors[index].leave.remote(not staying)
+        return told
 
     def _kill_all(self) -> None:
         for actor in self.actors.values():

@@ -49,7 +49,9 @@ def loss_weight(global_batch: int) -> float:
 class QuorumChange:
     """What one change of the quorum's size cost, measured by a replica that went through it."""
 
-    kind: str  # "worker_lost" when the quorum shrank, "joined" when it grew
+    # "worker_lost" when the quorum shrank, "drain" when it shrank because replicas left a
+    # draining node, "joined" when it grew
+    kind: str
     step: int  # the first step committed at the new size
     from_world: int
     to_world: int
@@ -58,7 +60,9 @@ class QuorumChange:
     recovery_seconds: float | None  # from the first failure signal to that commit
 
     def fields(self) -> dict[str, Any]:
+        why = {"reason": "drain"} if self.kind == "drain" else {}
         return {
+            **why,
             "step": self.step,
             "from_world": self.from_world,
             "to_world": self.to_world,
@@ -81,6 +85,10 @@ class Timeline:
         self.first_failure: float | None = None  # since the last commit
         self.failed_tries = 0  # of the step now in flight
         self.longest_pause = 0.0  # between any two commits seen
+        self.draining = False  # replicas were told to leave: the next shrink is theirs
+
+    def expect_drain(self) -> None:
+        self.draining = True
 
     def failed(self, now: float) -> None:
         if self.first_failure is None:
@@ -93,8 +101,9 @@ class Timeline:
         if gap is not None:
             self.longest_pause = max(self.longest_pause, gap)
         if self.world is not None and world != self.world and gap is not None:
+            shrank = world < self.world
             change = QuorumChange(
-                kind="worker_lost" if world < self.world else "joined",
+                kind=("drain" if self.draining else "worker_lost") if shrank else "joined",
                 step=step,
                 from_world=self.world,
                 to_world=world,
@@ -102,6 +111,8 @@ class Timeline:
                 pause_seconds=gap,
                 recovery_seconds=None if self.first_failure is None else now - self.first_failure,
             )
+            if shrank:
+                self.draining = False
         self.last_commit, self.world = now, world
         self.first_failure, self.failed_tries = None, 0
         return change
