@@ -1,8 +1,9 @@
 """A drain notice (Ray's DrainNode with a deadline, what a spot preemption or a KubeRay
-scale-down sends) for a node that holds one of a job's workers: the job pauses at its next
-step, with a checkpoint of that step (not at its next scheduled checkpoint, which may come
-after the node is gone), and carries on without that node, before the deadline, redoing no
-step.
+scale-down sends) for a node that holds one of a job's workers. In restart mode the job
+pauses at its next step, with a checkpoint of that step (not at its next scheduled
+checkpoint, which may come after the node is gone), and carries on without that node,
+before the deadline, redoing no step. In place, the replica on the node leaves the quorum at
+a step boundary and the others train on: no pause for a checkpoint, no new attempt.
 
 Ray ends a drained node as soon as it is idle: here within a second of the pause, while the
 supervisor still waits for the paused worker group's end (which may fail with the node)."""
@@ -79,6 +80,7 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
     spec = small_job(max_steps=1_000_000)  # it runs until the test cancels it
     spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
     spec["checkpoint"] = {"every_steps": EVERY_STEPS, "keep": 2}
+    spec["fault_tolerance"] = "restart"
     victim = None
     try:
         with LiveServer(make_settings(tmp_path)) as live:
@@ -159,6 +161,75 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
                 f"{stamp(saved) - drained_at:.1f} s after the drain; first step at 2 workers "
                 f"{stamp(first_at_2) - drained_at:.1f} s after it"
             )
+            assert api.post(f"/v1/jobs/{jid}/cancel").json()["state"] == "cancelled"
+    finally:
+        if victim is not None and victim in ray_cluster.pool:
+            ray_cluster.kill_node(victim)  # a drained node does not come back
+        ray_cluster.restore_pool()
+
+
+def test_in_place_a_drained_node_s_replica_leaves_and_the_others_train_on(
+    ray_cluster: ClusterPool, tmp_path: Path
+) -> None:
+    import ray
+
+    ray_cluster.restore_pool()
+    assert sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == POOL_SIZE
+    spec = small_job(max_steps=1_000_000)  # it runs until the test cancels it
+    spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
+    spec["checkpoint"] = {"every_steps": EVERY_STEPS, "keep": 2}
+    victim = None
+    try:
+        with LiveServer(make_settings(tmp_path)) as live:
+            api = live.client()
+            job = api.post("/v1/jobs", json=spec).json()
+            jid = job["id"]
+            assert job["spec"]["fault_tolerance"] == "in_place"  # the default for this job
+            wait_for(
+                lambda: (
+                    (j := get(api, jid))["state"] == "running"
+                    and j["world_size"] == 3
+                    and len(workers_of(api, jid)) == 3
+                    and j["step"] >= 10
+                ),
+                180,
+                interval=0.2,
+                what="training at 3 replicas",
+            )
+            node_id = workers_of(api, jid)["1"]
+            (victim,) = [n for n in ray_cluster.pool if n.node_id == node_id]
+            deadline_ms = int((time.time() + DEADLINE_S) * 1000)
+            at_notice = get(api, jid)["step"]
+            drain(node_id, deadline_ms)
+
+            def drained() -> dict[str, Any] | None:
+                get(api, jid)
+                page = api.get(f"/v1/jobs/{jid}/events", params={"kind": "resized"})
+                return next((e for e in page.json()["items"] if "reason" in e["data"]), None)
+
+            resized = wait_for(drained, 60, what="the resize off the draining node")
+            assert time.time() * 1000 < deadline_ms
+            data = resized["data"]
+            assert (data["reason"], data["from_world"], data["to_world"]) == ("drain", 3, 2)
+            assert data["steps_redone"] == 0, data
+            assert data["in_place"] is True
+            # The others waited only for the lighthouse to forget the replica that left.
+            assert data["pause_seconds"] < 1.0, data
+            assert data["step"] > at_notice
+            after = wait_for(
+                lambda: (j := get(api, jid))["step"] > data["step"] + 10 and j,
+                60,
+                what="training on at 2",
+            )
+            assert after["world_size"] == 2, after
+            assert node_id not in workers_of(api, jid).values()
+            seen = all_events(api, jid)
+            kinds = [e["kind"] for e in seen]
+            # No loss, no restart, no checkpoint to pause at: the same attempt trains on.
+            assert "worker_lost" not in kinds and "restored" not in kinds, kinds
+            assert kinds.count("attempt_started") == 1, kinds
+            saved = [e["data"]["step"] for e in seen if e["kind"] == "checkpoint_saved"]
+            assert all(step % EVERY_STEPS == 0 for step in saved), saved  # none off schedule
             assert api.post(f"/v1/jobs/{jid}/cancel").json()["state"] == "cancelled"
     finally:
         if victim is not None and victim in ray_cluster.pool:

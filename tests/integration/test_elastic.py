@@ -46,8 +46,14 @@ def api(pool: ClusterPool, tmp_path: Path) -> Iterator[httpx.Client]:
 
 
 def elastic_job(
-    max_steps: int, every: int = 10, min_workers: int = 1, grace_s: float = 300
+    max_steps: int,
+    every: int = 10,
+    min_workers: int = 1,
+    grace_s: float = 300,
+    fault_tolerance: str = "restart",
 ) -> dict[str, Any]:
+    """The job these tests kill nodes under; restart mode unless said (in place has its
+    own tests, tests/integration/test_in_place.py)."""
     return {
         "name": "elastic",
         "workload": "image-classification",
@@ -67,6 +73,7 @@ def elastic_job(
         "scaling": {"min_workers": min_workers, "max_workers": 3, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": every, "keep": 3},
         "failure": {"max_restarts": 3, "min_workers_grace_s": grace_s},
+        "fault_tolerance": fault_tolerance,
     }
 
 

@@ -43,8 +43,7 @@ JOIN_PAUSE_BOUND_S = 1.0
 
 
 def in_place_job(steps: int) -> dict[str, Any]:
-    spec = elastic_job(steps, every=20)
-    spec["fault_tolerance"] = "in_place"
+    spec = elastic_job(steps, every=20, fault_tolerance="in_place")
     spec["hyperparameters"]["augment"] = "crop_flip"
     return spec
 
@@ -88,7 +87,7 @@ def reference_state(client: httpx.Client, root: Path) -> dict[str, torch.Tensor]
     with losses and joins must end with."""
     if not _reference:
         spec = in_place_job(STEPS)
-        del spec["fault_tolerance"]
+        spec["fault_tolerance"] = "restart"
         reference = client.post("/v1/jobs", json=spec).json()
         assert wait_until_ended(client, reference["id"])["state"] == "succeeded"
         _reference.update(final_state(client, reference["id"], root))
