@@ -25,25 +25,31 @@ from ray.train.torch.config import _TorchBackend
 _held: dict[str, Any] = {}
 
 
-def open_master_store(world_size: int, timeout_s: float) -> tuple[str, int]:
-    """On rank 0: a rendezvous store listening on this node's Ray address only."""
-    host = ray.util.get_node_ip_address()
+def bound_store(host: str, world_size: int, timeout_s: float) -> tuple[Any, socket.socket]:
+    """A master ``TCPStore`` listening on ``host`` only, and the socket under it (which
+    must live as long as the store)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.bind((host, 0))
     listener.listen(max(128, world_size))
-    port = int(listener.getsockname()[1])
     store = dist.TCPStore(
         host,
-        port,
+        int(listener.getsockname()[1]),
         world_size,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
         master_listen_fd=listener.fileno(),
     )
+    return store, listener
+
+
+def open_master_store(world_size: int, timeout_s: float) -> tuple[str, int]:
+    """On rank 0: a rendezvous store listening on this node's Ray address only."""
+    host = ray.util.get_node_ip_address()
+    store, listener = bound_store(host, world_size, timeout_s)
     _held.update(listener=listener, store=store)
-    return host, port
+    return host, int(store.port)
 
 
 def join_process_group(

@@ -58,8 +58,11 @@ class InPlaceContext(TrainContext):
         manager_factory: Callable[[Callable[[Any], None], Callable[[], Any]], Any],
         replica: int,
         must_heal: bool = False,
+        start_together: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config, worker)
+        # Called once the manager heartbeats: waits for the attempt's other starting replicas.
+        self.start_together = start_together
         # A replacement or a late joiner: it must find a healthy peer to heal from, and never
         # trains on alone from its own (older) state.
         self.must_heal = must_heal
@@ -125,6 +128,8 @@ class InPlaceContext(TrainContext):
         # torchft counts committed steps itself: it starts where this replica's state is, so
         # a replica resumed from a checkpoint is not healed back, and a joiner behind is.
         self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
+        if self.start_together is not None and not self.must_heal:
+            self.start_together()
         perm_epoch, perm = -1, None
         self.model.train()
         # samples/s between two reports on this replica's clock, pauses and redone steps
@@ -151,6 +156,8 @@ class InPlaceContext(TrainContext):
             self._participants = participants
             if self.worker.rank == 0:
                 self._open_logs(participants)
+            elif self._logs_open:
+                self._hand_off_logs()
             # Randomness of a step depends on (seed, rank in the quorum, step) only: the
             # same after a heal, a redo or a resize.
             seed_rank(seed, self.worker.rank, self.step)
@@ -226,6 +233,20 @@ class InPlaceContext(TrainContext):
         self.worker.mlflow = mlflow_log.for_worker(
             self.config, meta.attempt, participants, self.step
         )
+
+    def _hand_off_logs(self) -> None:
+        """No longer the quorum's rank 0 (a replica below it joined): the points written so
+        far reach the disk and the run now, before the job's end may kill this process."""
+        tensorboard, mlflow = self.worker.tensorboard, self.worker.mlflow
+        self.worker.tensorboard = self.worker.mlflow = None
+        self._logs_open = False
+
+        def close() -> None:
+            for log in (tensorboard, mlflow):
+                if log is not None:
+                    log.close()
+
+        threading.Thread(target=close, name="etrain-logs-hand-off", daemon=True).start()
 
     def evaluate(
         self, dataset: Dataset, loss_per_sample: LossPerSample | None = None, batch_size: int = 256

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -30,41 +34,111 @@ def make_manager(
     host: str,
 ) -> Any:
     import torch
-    from torch.distributed import TCPStore
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
+
+    from elastic.process_group import bound_store
 
     timeout = timedelta(seconds=timeout_s)
     # The replica group's own store (a group of one): loopback only.
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo(timeout=timeout)
-    manager = Manager(
-        pg=pg,
-        load_state_dict=load,
-        state_dict=save,
-        min_replica_size=1,
-        use_async_quorum=False,  # the quorum is known before the step's samples are chosen
-        timeout=timeout,
-        # Longer than a collective can block: a survivor whose all-reduce failed first asks
-        # for the next quorum while a peer may still sit in the same all-reduce (Gloo's ring:
-        # the peer waits for data the first will not send) until the collective timeout.
-        # A shorter quorum timeout turned that pause into a failed attempt and a restart.
-        quorum_timeout=timedelta(seconds=2 * timeout_s + 10),
-        connect_timeout=timedelta(seconds=10),
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=replica_id,
-        hostname=host,
-        heartbeat_interval=HEARTBEAT_INTERVAL,
-        checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
-        init_sync=False,  # every replica builds the model from the same seed
-    )
-    manager._elastic_store = store  # kept alive with the manager
+    store, listener = bound_store("127.0.0.1", 1, timeout_s)
+    pg = _node_bound_gloo(host, timeout)
+    with _manager_server_bound_to(host):
+        manager = Manager(
+            pg=pg,
+            load_state_dict=load,
+            state_dict=save,
+            min_replica_size=1,
+            use_async_quorum=False,  # the quorum is known before the step's samples are chosen
+            timeout=timeout,
+            # Longer than a collective can block: a survivor whose all-reduce failed first
+            # asks for the next quorum while a peer may still sit in the same all-reduce
+            # (Gloo's ring: the peer waits for data the first will not send) until the
+            # collective timeout. A shorter quorum timeout turned that pause into a failed
+            # attempt and a restart.
+            quorum_timeout=timedelta(seconds=2 * timeout_s + 10),
+            connect_timeout=timedelta(seconds=10),
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=replica_id,
+            hostname=host,
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
+            init_sync=False,  # every replica builds the model from the same seed
+        )
+    manager._elastic_store = (store, listener)  # kept alive with the manager
     return manager
+
+
+# Every socket a replica listens on is bound to its node's Ray address (loopback for the
+# embedded default), as Ray's and the restart path's are (elastic/process_group.py).
+# torchft 's Manager binds its server on every interface and its Gloo process group's
+# rendezvous store on every interface under the machine's host name, with no option for
+# either: the two shims below put those two on ``host``.
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    import torchft.manager as torchft_manager
+
+    server = torchft_manager.ManagerServer
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        port = bind.rsplit(":", 1)[1]
+        address = f"[{host}]" if ":" in host else host
+        return server(*args, bind=f"{address}:{port}", **kwargs)
+
+    torchft_manager.ManagerServer = bound  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = server  # type: ignore[misc]
+
+
+def _node_bound_gloo(host: str, timeout: timedelta) -> Any:
+    from torchft.process_group import ProcessGroupGloo
+
+    from elastic.process_group import bound_store
+
+    class NodeBoundGloo(ProcessGroupGloo):  # type: ignore[misc]
+        def get_reconfigure_handle(self) -> str:
+            store: Any = self._rendezvous_store  # type: ignore[has-type]
+            if store is None:
+                store, self._rendezvous_listener = bound_store(host, 1, timeout.total_seconds())
+                self._rendezvous_store = store
+            handle = json.loads(super().get_reconfigure_handle())
+            address = f"[{host}]" if ":" in host else host
+            handle["store"] = f"{address}:{store.port}"
+            return json.dumps(handle)
+
+    return NodeBoundGloo(timeout=timeout)
+
+
+# How long the replicas placed at an attempt's start wait for each other before the first
+# quorum. Without the wait, the first one up trains alone and the others join it, healed,
+# a few steps later (their processes start seconds apart here, importing torch).
+START_TOGETHER_S = 60.0
+
+
+def wait_for_starters(lighthouse: str, starting: int, timeout_s: float) -> int:
+    """Until ``starting`` replicas heartbeat to the lighthouse (or ``timeout_s``: one that
+    never comes is a joiner later); returns how many it saw."""
+    from elastic.in_place.watchdog import read_ages
+
+    deadline = time.monotonic() + timeout_s
+    live = 0
+    while True:
+        try:
+            ages = read_ages(lighthouse)
+            live = sum(age < HEARTBEAT_TIMEOUT_MS / 1000 for age in ages.values())
+        except OSError:
+            pass
+        if live >= starting or time.monotonic() > deadline:
+            return live
+        time.sleep(0.05)
 
 
 # Two threads: ``run`` trains, ``abort_step`` reaches it while a collective is in flight.
@@ -100,6 +174,7 @@ class Replica:
         lighthouse: str,
         timeout_s: float,
         must_heal: bool,
+        starting: int = 1,
     ) -> str:
         from elastic.in_place.context import InPlaceContext, LeftTheQuorum
         from elastic.worker import WorkerContext
@@ -131,7 +206,10 @@ class Replica:
                 "log", {"attempt": meta.attempt, "rank": replica, "lines": lines}
             )
 
-        ctx = self.ctx = InPlaceContext(config, worker, factory, replica, must_heal)
+        def start_together() -> None:
+            wait_for_starters(lighthouse, starting, START_TOGETHER_S)
+
+        ctx = self.ctx = InPlaceContext(config, worker, factory, replica, must_heal, start_together)
         try:
             with forward_output(send):
                 resolve(meta.train_loop)(config, ctx)

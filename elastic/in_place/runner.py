@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_MS = 1000
 QUORUM_TICK_MS = 20
+# At the job's end (or a job error), how long the other replicas placed at the start may
+# take to end by themselves before they are stopped.
+SETTLE_S = 10.0
 # After a replica finished the job, how long the final checkpoint's writer may take.
 FINAL_WRITE_S = 60.0
 
@@ -37,6 +40,7 @@ class InPlaceRunner:
         self.actors: dict[int, Any] = {}
         # Replicas told to leave a draining node: not a loss when their heartbeats stop.
         self.leaving: set[int] = set()
+        self.starting = 1  # replicas placed at the attempt's start (they start together)
         self.stopped = asyncio.Event()
 
     async def _fence(self, index: int) -> None:
@@ -68,10 +72,11 @@ class InPlaceRunner:
         ).remote()
         self.actors[index] = actor
         timeout_s = float(self.plan["collective_timeout_s"])
-        return actor.run.remote(config, index, lighthouse, timeout_s, joiner)
+        return actor.run.remote(config, index, lighthouse, timeout_s, joiner, self.starting)
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.stopped = asyncio.Event()
+        self.starting = spec.world_size
         lighthouse = self._lighthouse()
         config = self.config_for(spec)
         address = lighthouse.address()
@@ -115,6 +120,7 @@ class InPlaceRunner:
                     except ray.exceptions.RayTaskError as e:
                         if index >= spec.world_size and "no healthy peer" in str(e):
                             continue  # a joiner that came too late never trains alone
+                        await self._settle(runs)
                         return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
                     finally:
                         self.actors.pop(index, None)
@@ -130,6 +136,7 @@ class InPlaceRunner:
                     # The job is finished: decided here, once, when the replica that wrote the
                     # final checkpoint says so (the others are stopped then).
                     if fut.result() == "finished":
+                        await self._settle(runs)
                         return AttemptOutcome()
                     finished_at = finished_at or time.monotonic()
             return AttemptOutcome("every replica was lost")
@@ -140,6 +147,14 @@ class InPlaceRunner:
             for fut in runs:
                 fut.cancel()
             lighthouse.shutdown()
+
+    async def _settle(self, runs: dict[asyncio.Future[Any], int]) -> None:
+        """The job's end is decided: the replicas placed at the start end on their own within
+        a step (or fail alike) and their last output reaches the job's log; only then are the
+        rest stopped. Replicas still waiting for capacity are not waited for."""
+        starters = {fut for fut, index in runs.items() if index < self.starting}
+        if starters:
+            await asyncio.wait(starters, timeout=SETTLE_S)
 
     async def _watch(self, lighthouse: str, supervisor: str) -> None:
         """When the lighthouse drops a replica (its heartbeats stopped), the survivors'

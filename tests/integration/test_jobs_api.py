@@ -38,7 +38,8 @@ def alive_train_workers() -> list[Any]:
     return [
         a
         for a in list_actors(filters=[("state", "=", "ALIVE")])
-        if a.class_name == "RayTrainWorker"
+        # A Ray Train worker (restart mode) or an in-place replica (the default here).
+        if a.class_name in ("RayTrainWorker", "Replica")
     ]
 
 

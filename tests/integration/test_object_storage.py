@@ -42,6 +42,7 @@ def test_a_job_checkpoints_to_the_bucket_loses_a_node_and_restores_from_it(
     uri = f"s3://{bucket}/etrain"
     spec = small_job(max_steps=120)
     spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
+    spec["fault_tolerance"] = "restart"  # the restore from the bucket is what is tested
     with LiveServer(make_settings(tmp_path, checkpoint_dir=uri)) as live:
         api = live.client()
         job = api.post("/v1/jobs", json=spec).json()
