@@ -217,8 +217,10 @@ class Replica:
         except LeftTheQuorum:
             return "left"
         finally:
+            # Its TensorBoard points and MLflow share, whatever happened; before the manager
+            # stops heartbeating: a replica whose heartbeats stop is fenced as lost.
+            worker.close()
             if ctx.manager is not None:
                 ctx.manager.shutdown(wait=False)
-            worker.close()  # its TensorBoard points and MLflow share, whatever happened
         # The quorum's rank 0 wrote the final checkpoint: the runner waits for its word.
         return "finished" if worker.rank == 0 else "finished as a replica"
