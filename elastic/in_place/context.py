@@ -198,6 +198,13 @@ class InPlaceContext(TrainContext):
             self.step = self.worker.completed_step = batch.step
             self.position = after
             window_samples += global_batch
+            if batch.ends_epoch and self.worker.rank == 0:
+                # The job's log says where it is, for the dashboard's log pane.
+                print(
+                    f"[elastic-train] epoch {position.epoch} ended at step {self.step} "
+                    f"({participants} worker{'s' if participants > 1 else ''})",
+                    flush=True,
+                )
             samples.write(self.step, position.epoch, perm, position, dataset_size, global_batch)
             change = self.timeline.committed(self.step, participants, time.time())
             if change is not None and self.worker.rank == 0:

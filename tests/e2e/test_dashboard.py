@@ -301,7 +301,8 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     world = page.locator("#chart-world")
     expect(world.locator(".marker[data-kind=worker_lost]")).to_have_count(1, timeout=15_000)
     expect(world.locator(".marker[data-kind=resized]")).to_have_count(1)
-    expect(world.locator(".marker[data-kind=restored]")).to_have_count(1)
+    # In place (the job's default): the survivors train on, nothing is restored.
+    expect(world.locator(".marker[data-kind=restored]")).to_have_count(0)
     page.wait_for_function(
         "() => { const d = document.querySelector('#chart-world').chart.data;"
         " return d[1].length && d[1][d[1].length - 1] === 2; }",
@@ -314,7 +315,7 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     lost = world.locator(".marker[data-kind=worker_lost]")
     lost.hover()
     expect(lost.locator(".tip")).to_be_visible()
-    expect(lost.locator(".tip")).to_contain_text("lost 1 worker (rank 1) at 3 workers")
+    expect(lost.locator(".tip")).to_contain_text("lost 1 worker at 3 workers, training paused")
     expect(page.locator("#timeline li[data-kind=resized] .what")).to_contain_text(
         "resized 3 → 2 workers"
     )

@@ -105,11 +105,19 @@ export function describeEvent(event) {
     case "attempt_started":
       return `attempt ${d.attempt} started with ${plural(d.world_size, "worker")}`
         + (d.checkpoint_step != null ? ` from the checkpoint of step ${d.checkpoint_step}` : "");
-    case "worker_lost":
-      return `lost ${plural((d.ranks || []).length || (d.nodes || []).length, "worker")}`
-        + ` (rank ${(d.ranks || []).join(", ") || "?"}) at ${plural(d.from_world, "worker")}`;
+    case "worker_lost": {
+      // Restart mode names the ranks and nodes; in place, the quorum's sizes say how many.
+      const ranks = d.ranks || [];
+      const lost = ranks.length || (d.nodes || []).length
+        || (d.to_world != null ? d.from_world - d.to_world : 0);
+      return `lost ${plural(lost, "worker")}`
+        + (ranks.length ? ` (rank ${ranks.join(", ")})` : "")
+        + ` at ${plural(d.from_world, "worker")}`
+        + (d.pause_seconds != null ? `, training paused ${d.pause_seconds.toFixed(2)} s` : "");
+    }
     case "resized":
       return `resized ${d.from_world} → ${d.to_world} workers`
+        + (d.reason === "drain" ? " off a draining node" : "")
         + (d.checkpoint_step != null ? ` from step ${d.checkpoint_step}` : "")
         + (d.steps_redone != null ? `, ${plural(d.steps_redone, "step")} redone` : "")
         + (d.recovery_seconds != null ? `, ${d.recovery_seconds.toFixed(1)} s to recover` : "");
