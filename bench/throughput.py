@@ -6,7 +6,8 @@ momentum), 64 samples per worker per step, the same number of steps, at 1 and 2 
   (a) ``torchrun`` running a plain DDP loop (Gloo, ``DistributedSampler``);
   (b) Ray Train's ``TorchTrainer`` running the same plain loop (``prepare_model``,
       ``prepare_data_loader``), on a Ray instance started beforehand;
-  (c) the job submitted to ``etrain serve`` (its embedded Ray started beforehand);
+  (c) the job submitted to ``etrain serve`` in restart mode (its embedded Ray started
+      beforehand);
   (d) the same job with ``fault_tolerance: in_place`` (torchft's quorum every step), whose
       gap to (a) is the per-step cost of in-place recovery, printed in ms.
 
