@@ -141,6 +141,10 @@ def wait_for_starters(lighthouse: str, starting: int, timeout_s: float) -> int:
         time.sleep(0.05)
 
 
+# How long a replica that ends waits for its last log lines to reach the supervisor.
+LOG_FLUSH_S = 10.0
+
+
 # Two threads: ``run`` trains, ``abort_step`` reaches it while a collective is in flight.
 @ray.remote(max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]
 class Replica:
@@ -201,10 +205,14 @@ class Replica:
                 host=host,
             )
 
+        last_sent: list[Any] = []
+
         def send(lines: list[list[Any]]) -> None:
-            supervisor.record.remote(
-                "log", {"attempt": meta.attempt, "rank": replica, "lines": lines}
-            )
+            last_sent[:] = [
+                supervisor.record.remote(
+                    "log", {"attempt": meta.attempt, "rank": replica, "lines": lines}
+                )
+            ]
 
         def start_together() -> None:
             wait_for_starters(lighthouse, starting, START_TOGETHER_S)
@@ -217,6 +225,10 @@ class Replica:
         except LeftTheQuorum:
             return "left"
         finally:
+            # Its output is in the job's log before its run ends (and with it, maybe, the
+            # job): a supervisor runs one caller's calls in order, so the last one will do.
+            with contextlib.suppress(Exception):
+                ray.get(last_sent, timeout=LOG_FLUSH_S)
             # Its TensorBoard points and MLflow share, whatever happened; before the manager
             # stops heartbeating: a replica whose heartbeats stop is fenced as lost.
             worker.close()
