@@ -69,6 +69,16 @@ def drain(node_id: str, deadline_ms: int) -> None:
     assert accepted, why
 
 
+def long_job_over_the_pool(**top: Any) -> dict[str, Any]:
+    """A job that runs until the test cancels it, on up to every pool node, with its
+    scheduled checkpoints far apart."""
+    spec = small_job(max_steps=1_000_000)
+    spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
+    spec["checkpoint"] = {"every_steps": EVERY_STEPS, "keep": 2}
+    spec.update(top)
+    return spec
+
+
 def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
     ray_cluster: ClusterPool, tmp_path: Path
 ) -> None:
@@ -77,10 +87,7 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
     ray_cluster.restore_pool()
     # Exactly the pool's nodes take workers: a drained one leaves room for 2, not 3.
     assert sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == POOL_SIZE
-    spec = small_job(max_steps=1_000_000)  # it runs until the test cancels it
-    spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
-    spec["checkpoint"] = {"every_steps": EVERY_STEPS, "keep": 2}
-    spec["fault_tolerance"] = "restart"
+    spec = long_job_over_the_pool(fault_tolerance="restart")
     victim = None
     try:
         with LiveServer(make_settings(tmp_path)) as live:
@@ -175,9 +182,7 @@ def test_in_place_a_drained_node_s_replica_leaves_and_the_others_train_on(
 
     ray_cluster.restore_pool()
     assert sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == POOL_SIZE
-    spec = small_job(max_steps=1_000_000)  # it runs until the test cancels it
-    spec["scaling"] = {"min_workers": 1, "max_workers": 3, "cpus_per_worker": 1}
-    spec["checkpoint"] = {"every_steps": EVERY_STEPS, "keep": 2}
+    spec = long_job_over_the_pool()
     victim = None
     try:
         with LiveServer(make_settings(tmp_path)) as live:

@@ -52,18 +52,22 @@ def test_left_out_it_is_restart_where_in_place_cannot_work(
         ({"strategy": "fsdp"}, "strategy ddp"),
         ({"sync": "local_sgd", "local_sgd_period": 1}, "sync every_step"),
         ({"gradient_compression": "fp16"}, "gradient_compression none"),
-        ({"gpus": 1}, "gpus_per_worker"),
     ],
 )
 def test_in_place_is_refused_where_it_cannot_work_naming_the_field(
     distributed: dict[str, Any], needs: str
 ) -> None:
-    data = job(fault_tolerance="in_place", distributed=distributed)
-    if distributed.pop("gpus", 0):
-        data["scaling"]["gpus_per_worker"] = 1
-    ((field, message),) = refusal(data)
+    ((field, message),) = refusal(job(fault_tolerance="in_place", distributed=distributed))
     assert field == "fault_tolerance"
     assert needs in message
+
+
+def test_in_place_is_refused_for_gpu_workers_naming_the_field() -> None:
+    data = job(fault_tolerance="in_place")
+    data["scaling"]["gpus_per_worker"] = 1
+    ((field, message),) = refusal(data)
+    assert field == "fault_tolerance"
+    assert "gpus_per_worker" in message
 
 
 def test_an_unknown_mode_is_refused() -> None:
