@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from elastic.attempt_runner import resolve
+from elastic.in_place.orphan import die_with_parent
 from elastic.worker_config import WorkerConfig
 
 # The lighthouse forgets a replica whose heartbeats stop for this long. It is most of the
@@ -150,6 +151,8 @@ LOG_FLUSH_S = 10.0
 class Replica:
     def __init__(self) -> None:
         self.ctx: Any = None
+        # Its node's raylet gone, it ends at once (not at Ray's check a second later).
+        die_with_parent()
 
     def abort_step(self, dropped_for_s: float) -> bool:
         """The supervisor heard that a replica of the job was dropped by the lighthouse

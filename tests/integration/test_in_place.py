@@ -32,12 +32,12 @@ from tests.integration.test_elastic import get as get_job
 pytestmark = pytest.mark.ray
 
 # The survivors' longest pause around a loss. A peer whose sockets reset (its process
-# died) fails their all-reduce at once: well under a second. A peer that stops without
-# resetting them (frozen, or its process lingers on a lost node) is detected by the
-# lighthouse's heartbeat timeout (0.5 s, plus up to one 0.1 s heartbeat interval), the
-# supervisor's poll of it (0.1 s) and the abort; the pause also holds the part of the
-# step in flight before the loss and the redone step (0.2-0.3 s each at 3 replicas on
-# this shared 2-core machine): 1.21 s measured, hence 1.5 s and not 1 s.
+# died; a replica ends within 50 ms of its raylet, elastic/in_place/orphan.py) fails their
+# all-reduce at once: well under a second. A peer that stops without resetting them
+# (frozen) is detected by the lighthouse's heartbeat timeout (0.3 s, plus up to one 50 ms
+# heartbeat interval), the supervisor's poll of it (0.1 s) and the abort; the pause also
+# holds the part of the step in flight before the loss and the redone step (0.2-0.3 s each
+# at 3 replicas on this shared 2-core machine): hence 1.5 s and not 1 s.
 LOSS_PAUSE_BOUND_S = 1.5
 JOIN_PAUSE_BOUND_S = 1.0
 
