@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, default_collate
 from elastic import mlflow_log
 from elastic.checkpoint_state import RankRng, seed_rank
 from elastic.in_place.abort import StepAbort
+from elastic.in_place.buckets import GradientBuckets
 from elastic.in_place.steps import Timeline, loss_weight, participant_indices
 from elastic.loop import (
     LoopSettings,
@@ -36,6 +37,8 @@ from elastic.loop import (
 )
 from elastic.sampling import SamplerPosition, advance, epoch_permutation
 from elastic.tensorboard import TensorBoardLog
+
+SUM = torch.distributed.ReduceOp.SUM
 
 
 class LeftTheQuorum(Exception):
@@ -79,6 +82,7 @@ class InPlaceContext(TrainContext):
         self.leaving = threading.Event()
         self.save_on_leave = False
         self._logs_open = False
+        self._buckets: GradientBuckets | None = None  # built at the first step
 
     # -- the heal state: every replicated checkpoint part ------------------------------------
 
@@ -274,10 +278,21 @@ class InPlaceContext(TrainContext):
         assert self.manager is not None
         inputs = self._cast(batch.inputs)
         targets = batch.targets
+        if self._buckets is None:
+            self._buckets = GradientBuckets([p for p in model.parameters() if p.requires_grad])
+        buckets, manager = self._buckets, self.manager
+
+        def launch(flat: torch.Tensor) -> Any:
+            return manager.allreduce(flat, reduce_op=SUM)
+
         optimizer.zero_grad(set_to_none=False)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         weight = loss_weight(batch.global_batch)
-        for a, b in micro_batches(batch.real, self._micro):
+        # The sum over the quorum of every bucket is the global batch's mean gradient.
+        passes = micro_batches(batch.real, self._micro)
+        for n, (a, b) in enumerate(passes):
+            if n == len(passes) - 1:
+                buckets.arm(launch)
             with self.precision.autocast():
                 outputs = model(_rows(inputs, a, b))
                 losses = loss_per_sample(outputs, targets[a:b])
@@ -289,30 +304,14 @@ class InPlaceContext(TrainContext):
                 totals[1] += (outputs.argmax(dim=1) == targets[a:b]).sum()
             totals[0] += losses.detach().double().sum()
             self.precision.backward(losses.sum() * weight)
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        # One all-reduce per dtype: the sum over the quorum is the global batch's mean.
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            grad = p.grad
-            assert grad is not None
-            by_dtype.setdefault(grad.dtype, []).append(grad)
-        flats = {dt: torch.cat([g.reshape(-1) for g in gs]) for dt, gs in by_dtype.items()}
-        works = [
-            self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
-            for flat in [*flats.values(), totals]
-        ]
+        if not passes:
+            buckets.arm(launch)
+        works = [*buckets.launch_rest(), launch(totals)]
         if not self.abort.wait_all(works, self.manager):
+            buckets.renew()  # the abandoned all-reduce keeps the old buffers
             return  # a peer of this step is gone: discarded, redone by the next quorum
         if not self.manager.should_commit():
             return
-        for dt, gs in by_dtype.items():
-            offset = 0
-            for g in gs:
-                g.copy_(flats[dt][offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
         self.checkpoints.before_update()
         self.precision.step(optimizer)
         self.scheduler.step()
