@@ -148,13 +148,11 @@ class InPlaceContext(TrainContext):
                 break
             participants = self.manager.num_participants()
             rank = self.manager.participating_rank()
-            if self.must_heal:
-                if participants < 2:
-                    raise RuntimeError(
-                        f"replica {self.replica} found no healthy peer to heal from; it does "
-                        f"not train on alone from step {self.step}"
-                    )
-                self.must_heal = False
+            if self.must_heal and participants < 2:
+                raise RuntimeError(
+                    f"replica {self.replica} found no healthy peer to heal from; it does "
+                    f"not train on alone from step {self.step}"
+                )
             # The quorum's rank 0 writes checkpoints and reports, as rank 0 does elsewhere.
             self.worker.rank = rank if rank is not None else participants
             self._participants = participants
@@ -201,6 +199,9 @@ class InPlaceContext(TrainContext):
                 continue  # redone whole by the next quorum
             self.step = self.worker.completed_step = batch.step
             self.position = after
+            # Healed, or in step with its peers: only a committed step shows it. A heal cut
+            # short (its sender lost) leaves this replica's own, older state.
+            self.must_heal = False
             window_samples += global_batch
             if batch.ends_epoch and self.worker.rank == 0:
                 # The job's log says where it is, for the dashboard's log pane.

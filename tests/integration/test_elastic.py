@@ -41,7 +41,8 @@ def pool(ray_cluster: ClusterPool) -> Iterator[ClusterPool]:
 
 @pytest.fixture
 def api(pool: ClusterPool, tmp_path: Path) -> Iterator[httpx.Client]:
-    with LiveServer(make_settings(tmp_path)) as live:
+    # The test workloads (tests/workloads) may be submitted besides the built-in ones.
+    with LiveServer(make_settings(tmp_path, entrypoint_modules=["tests.workloads"])) as live:
         yield live.client()
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import ClusterPool, wait_until_ended
+from tests.conftest import ClusterPool, wait_for, wait_until_ended
 from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     BATCH,
     DATASET,
@@ -109,11 +109,13 @@ def assert_exact(client: httpx.Client, job_id: str, root: Path) -> None:
         torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
 
 
-def start_at_three_replicas(client: httpx.Client, root: Path) -> dict[str, Any]:
-    """The uninterrupted reference made (once), then the in-place job submitted and
-    training at 3 replicas past its first steps."""
+def start_at_three_replicas(
+    client: httpx.Client, root: Path, spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The uninterrupted reference made (once), then the in-place job (``spec``, or
+    ``in_place_job(STEPS)``) submitted and training at 3 replicas past its first steps."""
     reference_state(client, root)
-    job: dict[str, Any] = client.post("/v1/jobs", json=in_place_job(STEPS)).json()
+    job: dict[str, Any] = client.post("/v1/jobs", json=spec or in_place_job(STEPS)).json()
     assert "id" in job, job
     wait_until(
         client,
@@ -259,3 +261,45 @@ def test_a_node_killed_while_a_replacement_starts_leaves_the_job_exact(
     joined = [e["data"] for e in events(api, job["id"], "joined")]
     assert all(j["steps_redone"] == 0 for j in joined), joined
     assert_exact(api, job["id"], root)
+
+
+def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_another(
+    api: httpx.Client,  # noqa: F811
+    pool: ClusterPool,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A node is lost, a node added back; while a survivor sends its state to the new
+    replica, the survivor's node dies too. The joiner never trains on a half-sent state:
+    it heals from the other survivor, and the job goes on without a restart, exact."""
+    arm, release = tmp_path / "heal-arm", tmp_path / "heal-release"
+    spec = in_place_job(STEPS)
+    spec["workload"] = "tests.workloads.held_heal:train_loop"
+    spec["hyperparameters"].update(heal_arm=str(arm), heal_release=str(release))
+    job = start_at_three_replicas(api, tmp_path / "checkpoints", spec)
+    pool.kill_node(pool.pool[0])
+    at_two = wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "2 replicas")
+    wait_until(api, job["id"], lambda j: j["step"] >= at_two["step"] + 5, 60, "training at 2")
+    arm.touch()  # the next heal is held
+    pool.add_node()
+
+    def sender() -> str | None:
+        lines = api.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 5000}).json()["items"]
+        said = [x["line"] for x in lines if "[held-heal] sending state from node" in x["line"]]
+        return said[0].rsplit(" ", 1)[1] if said else None
+
+    node_id = wait_for(sender, 180, interval=0.1, what="a survivor sending its state")
+    (victim,) = [n for n in pool.pool if n.node_id == node_id]
+    pool.kill_node(victim)
+    release.touch()
+    wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "the joiner healed")
+    pool.add_node()
+    wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "3 replicas again")
+    done = wait_until_ended(api, job["id"])
+    assert done["state"] == "succeeded" and done["step"] == STEPS, done
+
+    assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
+    losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    print("in place, the heal's sender killed:", losses)
+    assert losses[0]["from_world"] == 3 and losses[0]["to_world"] == 2, losses
+    assert all(x["steps_redone"] <= 1 for x in losses), losses
+    assert_exact(api, job["id"], tmp_path / "checkpoints")
