@@ -10,6 +10,7 @@ joins heals from a peer (model, optimizer, schedule, step, sampler position) at 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -25,7 +26,8 @@ from elastic import mlflow_log
 from elastic.checkpoint_state import RankRng, seed_rank
 from elastic.in_place.abort import StepAbort
 from elastic.in_place.buckets import GradientBuckets
-from elastic.in_place.steps import Timeline, loss_weight, participant_indices
+from elastic.in_place.members import quorum_members
+from elastic.in_place.steps import QuorumChange, Timeline, loss_weight, participant_indices
 from elastic.loop import (
     LoopSettings,
     LossPerSample,
@@ -211,11 +213,10 @@ class InPlaceContext(TrainContext):
                     flush=True,
                 )
             samples.write(self.step, position.epoch, perm, position, dataset_size, global_batch)
-            change = self.timeline.committed(self.step, participants, time.time())
+            members = quorum_members(self.manager)
+            change = self.timeline.committed(self.step, participants, time.time(), members)
             if change is not None and self.worker.rank == 0:
-                if change.kind != "drain":  # a drain is a resize, no loss
-                    self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
-                self.worker.emit("resized", {"kind": "resized", **change.fields()})
+                self._announce(change)
             if self.step in (1, last_step) or self.step % report_every_steps == 0:
                 elapsed = time.perf_counter() - window_start
                 self._report(last_step, window_samples / elapsed if elapsed > 0 else None)
@@ -224,6 +225,18 @@ class InPlaceContext(TrainContext):
                 self.checkpoints.save(self.step)
                 if self.step == last_step:
                     self.checkpoints.wait()
+
+    def _announce(self, change: QuorumChange) -> None:
+        """The job's events for a change of the quorum: a loss (or a drain), a join, and a
+        resize when the size changed. A lost replica replaced in the same change is a loss
+        and a join at the same size."""
+        if change.kind != "drain":  # a drain is a resize, no loss
+            self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
+        if change.kind == "worker_lost" and change.joined:
+            joined = dataclasses.replace(change, kind="joined")
+            self.worker.emit("joined", {"kind": "joined", **joined.fields()})
+        if change.from_world != change.to_world:
+            self.worker.emit("resized", {"kind": "resized", **change.fields()})
 
     def _leave(self) -> None:
         if self.save_on_leave and self.worker.rank == 0:

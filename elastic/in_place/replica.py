@@ -14,6 +14,7 @@ from typing import Any
 import ray
 
 from elastic.attempt_runner import resolve
+from elastic.in_place.members import QuorumMembers, replica_id
 from elastic.in_place.orphan import die_with_parent
 from elastic.worker_config import WorkerConfig
 
@@ -71,6 +72,7 @@ def make_manager(
             init_sync=False,  # every replica builds the model from the same seed
         )
     manager._elastic_store = (store, listener)  # kept alive with the manager
+    manager._client = QuorumMembers(manager._client)
     return manager
 
 
@@ -203,7 +205,7 @@ class Replica:
                 load,
                 save,
                 lighthouse=lighthouse,
-                replica_id=f"{meta.supervisor}-r{replica}",
+                replica_id=replica_id(meta.supervisor, replica),
                 timeout_s=timeout_s,
                 host=host,
             )

@@ -19,6 +19,7 @@ import ray
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
 from elastic.in_place.fence import fence
+from elastic.in_place.members import replica_id
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
 
@@ -171,7 +172,7 @@ class InPlaceRunner:
                 log.warning("in-place watch: lighthouse status unreadable: %s", e)
                 continue
             ids = {
-                f"{supervisor}-r{index}": index
+                replica_id(supervisor, index): index
                 for index in self.actors
                 if index not in self.leaving
             }

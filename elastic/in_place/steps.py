@@ -6,7 +6,7 @@ No torch, no Ray, no torchft: unit-tested in milliseconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,22 +47,26 @@ def loss_weight(global_batch: int) -> float:
 
 @dataclass
 class QuorumChange:
-    """What one change of the quorum's size cost, measured by a replica that went through it."""
+    """What one change of the quorum cost, measured by a replica that went through it."""
 
-    # "worker_lost" when the quorum shrank, "drain" when it shrank because replicas left a
-    # draining node, "joined" when it grew
+    # "worker_lost" when replicas left the quorum (it shrank, or lost ones were replaced in
+    # the same change), "drain" when they left a draining node, "joined" when it only grew
     kind: str
-    step: int  # the first step committed at the new size
+    step: int  # the first step committed with the new quorum
     from_world: int
     to_world: int
     steps_redone: int  # 1 when the step in flight was discarded and redone whole, else 0
     pause_seconds: float  # the gap between the last commit before and the first after
     recovery_seconds: float | None  # from the first failure signal to that commit
+    left: list[int] = field(default_factory=list)  # the replicas gone, when known
+    joined: list[int] = field(default_factory=list)  # the replicas new, when known
 
     def fields(self) -> dict[str, Any]:
         why = {"reason": "drain"} if self.kind == "drain" else {}
+        replicas = self.joined if self.kind == "joined" else self.left
         return {
             **why,
+            **({"replicas": replicas} if replicas else {}),
             "step": self.step,
             "from_world": self.from_world,
             "to_world": self.to_world,
@@ -76,12 +80,13 @@ class QuorumChange:
 
 
 class Timeline:
-    """A replica's committed steps and failed tries, as they happen: each commit at a new
-    quorum size yields the :class:`QuorumChange` that led to it."""
+    """A replica's committed steps and failed tries, as they happen: each commit with a new
+    quorum (another size, or other members) yields the :class:`QuorumChange` that led to it."""
 
     def __init__(self) -> None:
         self.last_commit: float | None = None
         self.world: int | None = None
+        self.members: frozenset[int] | None = None  # of the last commit's quorum, when known
         self.first_failure: float | None = None  # since the last commit
         self.failed_tries = 0  # of the step now in flight
         self.longest_pause = 0.0  # between any two commits seen
@@ -95,24 +100,32 @@ class Timeline:
             self.first_failure = now
         self.failed_tries += 1
 
-    def committed(self, step: int, world: int, now: float) -> QuorumChange | None:
+    def committed(
+        self, step: int, world: int, now: float, members: frozenset[int] | None = None
+    ) -> QuorumChange | None:
         change = None
         gap = None if self.last_commit is None else now - self.last_commit
         if gap is not None:
             self.longest_pause = max(self.longest_pause, gap)
-        if self.world is not None and world != self.world and gap is not None:
-            shrank = world < self.world
+        left: list[int] = []
+        joined: list[int] = []
+        if members is not None and self.members is not None:
+            left, joined = sorted(self.members - members), sorted(members - self.members)
+        if self.world is not None and gap is not None and (world != self.world or left or joined):
+            lost = world < self.world or bool(left)
             change = QuorumChange(
-                kind=("drain" if self.draining else "worker_lost") if shrank else "joined",
+                kind=("drain" if self.draining else "worker_lost") if lost else "joined",
                 step=step,
                 from_world=self.world,
                 to_world=world,
                 steps_redone=1 if self.failed_tries else 0,
                 pause_seconds=gap,
                 recovery_seconds=None if self.first_failure is None else now - self.first_failure,
+                left=left,
+                joined=joined,
             )
-            if shrank:
+            if lost:
                 self.draining = False
-        self.last_commit, self.world = now, world
+        self.last_commit, self.world, self.members = now, world, members
         self.first_failure, self.failed_tries = None, 0
         return change

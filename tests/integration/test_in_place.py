@@ -175,9 +175,14 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     print("in place, joins:", joined)
     assert [(j["from_world"], j["to_world"], j["steps_redone"]) for j in joined] == [(2, 3, 0)] * 2
     assert all(j["pause_seconds"] < JOIN_PAUSE_BOUND_S for j in joined), joined
-    # Every report says how fast the job trained since the one before.
-    rates = [e["data"]["samples_per_s"] for e in events(api, job["id"], "metrics")]
-    assert len(rates) >= steps and all(r is not None and r > 0 for r in rates), rates[:5]
+    # Every step is reported, and every report says how fast the job trained since the one
+    # before. A quorum's rank 0 lost right after a commit takes that step's report with it:
+    # only the last step before a loss may be missing.
+    reports = [e["data"] for e in events(api, job["id"], "metrics")]
+    missing = set(range(1, steps + 1)) - {r["step"] for r in reports}
+    assert missing <= {x["step"] - 1 for x in losses}, (missing, losses)
+    rates = [r["samples_per_s"] for r in reports]
+    assert all(r is not None and r > 0 for r in rates), rates[:5]
 
     assert_exact(api, job["id"], tmp_path / "checkpoints")
 
@@ -300,6 +305,10 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
     assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
     losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
     print("in place, the heal's sender killed:", losses)
-    assert losses[0]["from_world"] == 3 and losses[0]["to_world"] == 2, losses
+    # Both losses reported, each naming the one replica it lost. The second is usually
+    # 2 -> 2 (the joiner healed in the same quorum change), or 2 -> 1 when the quorum
+    # formed before the joiner asked again.
+    assert [(x["from_world"], len(x["replicas"])) for x in losses] == [(3, 1), (2, 1)], losses
+    assert losses[0]["to_world"] == 2 and losses[1]["to_world"] in (1, 2), losses
     assert all(x["steps_redone"] <= 1 for x in losses), losses
     assert_exact(api, job["id"], tmp_path / "checkpoints")

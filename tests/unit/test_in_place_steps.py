@@ -77,3 +77,31 @@ def test_a_join_redoes_nothing_and_the_next_steps_are_quiet() -> None:
     assert (change.kind, change.steps_redone, change.recovery_seconds) == ("joined", 0, None)
     assert change.pause_seconds == pytest.approx(0.4)
     assert t.committed(9, 3, now=1.5) is None
+
+
+def test_a_lost_replica_replaced_in_the_same_quorum_change_is_a_loss_and_a_join() -> None:
+    t = Timeline()
+    t.committed(20, 2, now=5.0, members=frozenset({1, 2}))
+    assert t.committed(21, 2, now=5.1, members=frozenset({1, 2})) is None
+    t.failed(now=5.3)  # replica 1 was lost while it sent its state to replica 3
+    change = t.committed(22, 2, now=5.9, members=frozenset({2, 3}))
+    assert change is not None
+    assert (change.kind, change.from_world, change.to_world) == ("worker_lost", 2, 2)
+    assert (change.left, change.joined, change.steps_redone) == ([1], [3], 1)
+    assert change.fields()["replicas"] == [1]
+    assert change.pause_seconds == pytest.approx(0.8)
+
+
+def test_members_name_who_left_and_who_joined() -> None:
+    t = Timeline()
+    t.committed(1, 3, now=0.0, members=frozenset({0, 1, 2}))
+    lost = t.committed(2, 2, now=1.0, members=frozenset({0, 2}))
+    assert lost is not None and (lost.kind, lost.left, lost.joined) == ("worker_lost", [1], [])
+    back = t.committed(3, 3, now=2.0, members=frozenset({0, 2, 3}))
+    assert back is not None and (back.kind, back.left, back.joined) == ("joined", [], [3])
+    assert back.fields()["replicas"] == [3]
+    # Without members (not known), only the size tells.
+    assert t.committed(4, 3, now=2.1) is None
+    shrunk = t.committed(5, 2, now=2.2)
+    assert shrunk is not None and shrunk.kind == "worker_lost" and shrunk.left == []
+    assert "replicas" not in shrunk.fields()

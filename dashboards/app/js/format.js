@@ -106,9 +106,10 @@ export function describeEvent(event) {
       return `attempt ${d.attempt} started with ${plural(d.world_size, "worker")}`
         + (d.checkpoint_step != null ? ` from the checkpoint of step ${d.checkpoint_step}` : "");
     case "worker_lost": {
-      // Restart mode names the ranks and nodes; in place, the quorum's sizes say how many.
+      // Restart mode names the ranks and nodes; in place, the replicas gone (a lost one
+      // replaced in the same quorum change leaves the size as it was) or the sizes.
       const ranks = d.ranks || [];
-      const lost = ranks.length || (d.nodes || []).length
+      const lost = ranks.length || (d.nodes || []).length || (d.replicas || []).length
         || (d.to_world != null ? d.from_world - d.to_world : 0);
       return `lost ${plural(lost, "worker")}`
         + (ranks.length ? ` (rank ${ranks.join(", ")})` : "")
