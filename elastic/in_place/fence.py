@@ -18,14 +18,14 @@ from typing import Any
 
 import ray
 
+from elastic.in_place.orphan import command_line
+
 log = logging.getLogger(__name__)
 
 
 def _is_replica(pid: int) -> bool:
     # A recycled pid must not be killed: the process must still be a replica actor.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().startswith(b"ray::Replica")
-    return False
+    return command_line(pid).startswith(b"ray::Replica")
 
 
 @ray.remote(num_cpus=0)

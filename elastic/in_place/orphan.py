@@ -18,11 +18,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 
 POLL_S = 0.05
 
 
-def _command(pid: int) -> bytes:
+def command_line(pid: int) -> bytes:
+    """The process's NUL-separated argv; empty when it is gone (or there is no /proc)."""
     with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read()
     return b""
@@ -32,15 +34,14 @@ def die_with_parent(parent_name: bytes = b"raylet", poll_s: float = POLL_S) -> b
     """Start the watch; False (no watch) when this process's parent is not named
     ``parent_name`` (a local-mode worker, a platform without ``/proc``)."""
     parent = os.getppid()
-    executable = _command(parent).split(b"\0", 1)[0]
+    executable = command_line(parent).split(b"\0", 1)[0]
     if not executable.endswith(parent_name):
         return False
 
     def watch() -> None:
-        stop = threading.Event()
-        while not stop.wait(poll_s):
-            if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGKILL)
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="die-with-raylet", daemon=True).start()
     return True

@@ -109,6 +109,15 @@ def assert_exact(client: httpx.Client, job_id: str, root: Path) -> None:
         torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def succeeded_without_restart(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    """Waits for the job's end: it succeeded at its last step in its first attempt (the
+    survivors never left it). Returns its losses' events."""
+    done = wait_until_ended(client, job_id)
+    assert done["state"] == "succeeded" and done["step"] == STEPS, done
+    assert len(events(client, job_id, "attempt_started")) == 1  # no restart
+    return [e["data"] for e in events(client, job_id, "worker_lost")]
+
+
 def start_at_three_replicas(
     client: httpx.Client, root: Path, spec: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -204,11 +213,7 @@ def test_two_nodes_killed_in_a_row_leave_one_replica_training_and_both_rejoin(
     pool.add_node()
     pool.add_node()
     wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "both nodes back")
-    done = wait_until_ended(api, job["id"])
-    assert done["state"] == "succeeded" and done["step"] == STEPS, done
-
-    assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
-    losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    losses = succeeded_without_restart(api, job["id"])
     print("in place, two kills in a row:", losses)
     # Seen as one quorum change or as two: either way 3 -> 1, each redoing at most a step.
     assert losses and losses[0]["from_world"] == 3 and losses[-1]["to_world"] == 1, losses
@@ -255,11 +260,7 @@ def test_a_node_killed_while_a_replacement_starts_leaves_the_job_exact(
     pool.kill_node(pool.pool[0])  # a survivor's node; the new node is the pool's last
     pool.add_node()
     wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "3 replicas again")
-    done = wait_until_ended(api, job["id"])
-    assert done["state"] == "succeeded" and done["step"] == STEPS, done
-
-    assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
-    losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    losses = succeeded_without_restart(api, job["id"])
     print("in place, a kill while a replacement starts:", losses)
     assert len(losses) == 2, losses
     assert all(x["steps_redone"] <= 1 for x in losses), losses
@@ -299,11 +300,7 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
     wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "the joiner healed")
     pool.add_node()
     wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "3 replicas again")
-    done = wait_until_ended(api, job["id"])
-    assert done["state"] == "succeeded" and done["step"] == STEPS, done
-
-    assert len(events(api, job["id"], "attempt_started")) == 1  # no restart
-    losses = [e["data"] for e in events(api, job["id"], "worker_lost")]
+    losses = succeeded_without_restart(api, job["id"])
     print("in place, the heal's sender killed:", losses)
     # Both losses reported, each naming the one replica it lost. The second is usually
     # 2 -> 2 (the joiner healed in the same quorum change), or 2 -> 1 when the quorum
