@@ -114,6 +114,9 @@ class JobLoop:
                 self._set_state("failed", reason=f"supervisor error: {e!r}")
         finally:
             await self._drop_reservation()
+            close = getattr(self.runner, "close", None)
+            if close is not None:  # warm workers outlive attempts, not the job
+                close()
 
     async def _start(self) -> Step | None:
         if self.storage_check is not None:
@@ -127,10 +130,11 @@ class JobLoop:
 
     async def _schedule(self) -> Step | None:
         began = time.monotonic()
+        wait = False  # the first look takes the snapshot at hand; later ones wait for news
         while not self.cancelled:
-            snap = await self._next_snapshot()
-            held = self.reservation.workers if self.reservation else 0
-            fit = snap.workers_free(self.plan.resources_per_worker, self.suspects) + held
+            snap = await self._next_snapshot(wait)
+            wait = True
+            fit = self._fit(snap)
             size = choose_world_size(self.plan.min_workers, self.plan.max_workers, fit)
             if size is None:
                 if self.state == "recovering" and below_min_for_too_long(
@@ -163,7 +167,12 @@ class JobLoop:
             reservation, self.reservation = self.reservation, None
             await self.capacity.release(reservation, hand_over=True)
         attempt = self._begin(size, checkpoint)
-        spec = AttemptSpec(attempt.number, size, checkpoint.path if checkpoint else None)
+        spec = AttemptSpec(
+            attempt.number,
+            size,
+            checkpoint.path if checkpoint else None,
+            frozenset(self.suspects),
+        )
         running = asyncio.ensure_future(self.runner.run(spec))
         watch = self._watch_in_place if self.plan.fault_tolerance == "in_place" else self._watch
         watcher = asyncio.ensure_future(watch(attempt))
@@ -547,8 +556,11 @@ class JobLoop:
             raise NoValidCheckpoint
         return info
 
-    async def _next_snapshot(self) -> Snapshot:
-        snap = await self.capacity.snapshot(self.version, self.timing.poll_s)
+    async def _next_snapshot(self, wait: bool = True) -> Snapshot:
+        if wait:
+            snap = await self.capacity.snapshot(self.version, self.timing.poll_s)
+        else:
+            snap = await self.capacity.snapshot()
         self.version = snap.version
         now = self.clock()
         self.suspects = {
@@ -563,12 +575,23 @@ class JobLoop:
         so the restart is not needlessly small."""
         deadline = time.monotonic() + self.timing.release_wait_s
         want = min(self.plan.max_workers, expected)
-        while time.monotonic() < deadline and not self.cancelled:
-            snap = await self.capacity.snapshot(self.version, deadline - time.monotonic())
-            self.version = snap.version
-            held = self.reservation.workers if self.reservation else 0
-            if snap.workers_free(self.plan.resources_per_worker, self.suspects) + held >= want:
+        snap = await self.capacity.snapshot()  # warm workers released nothing: maybe no wait
+        while not self.cancelled:
+            self.version = max(self.version, snap.version)
+            if self._fit(snap) >= want or time.monotonic() >= deadline:
                 return
+            snap = await self.capacity.snapshot(self.version, deadline - time.monotonic())
+
+    def _fit(self, snap: Snapshot) -> int:
+        """Workers this job can have now: the free slots, the capacity reserved for it, and
+        the warm workers it holds between attempts (off suspected nodes)."""
+        held = self.reservation.workers if self.reservation else 0
+        free = snap.workers_free(self.plan.resources_per_worker, self.suspects)
+        return free + held + self._warm()
+
+    def _warm(self) -> int:
+        count = getattr(self.runner, "warm_workers", None)
+        return int(count(self.suspects)) if count is not None else 0
 
     async def _lost_nodes(self, attempt: Attempt, dead_ranks: list[int]) -> set[str]:
         """The attempt's nodes that are gone: by Ray's membership, by a worker process that

@@ -1,7 +1,7 @@
 """The supervisor: a detached Ray actor that owns one job's life on the cluster.
 
 It is the Ray face of :class:`elastic.job_loop.JobLoop`, which decides everything: this
-actor wires that loop to the cluster (the shared capacity watcher, Ray Train attempts, the
+actor wires that loop to the cluster (the shared capacity watcher, the attempts' workers, the
 job's checkpoint directory) and answers the workers and the service. Its event log is held
 until the service acknowledges what it has stored (see :mod:`elastic.events`). It knows
 nothing of HTTP or of the store.
@@ -15,13 +15,14 @@ from typing import Any
 
 import ray
 
-from elastic.attempt_runner import AttemptSpec, RayTrainRunner
+from elastic.attempt_runner import AttemptSpec
 from elastic.capacity import RayCapacity
 from elastic.checkpoint_storage import unshared_checkpoint_dir
 from elastic.checkpoints import CheckpointDir
 from elastic.events import EventLog
 from elastic.job_loop import TERMINAL, JobLoop
 from elastic.plan import SupervisorPlan
+from elastic.warm_pool import WarmPoolRunner
 
 __all__ = ["TERMINAL", "Supervisor", "SupervisorPlan", "worker_config"]
 
@@ -54,7 +55,7 @@ class Supervisor:
 
             runner = InPlaceRunner(asdict(plan), lambda spec: worker_config(plan, spec))
         else:
-            runner = RayTrainRunner(asdict(plan), lambda spec: worker_config(plan, spec))
+            runner = WarmPoolRunner(asdict(plan), lambda spec: worker_config(plan, spec))
         self.loop = JobLoop(
             plan,
             runner,

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-import ray.train
 import torch
 
 from elastic import mlflow_log
@@ -68,24 +67,37 @@ class WorkerContext:
         return self.config.resume_path
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> WorkerContext:
-        import ray.train.torch
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        rank: int | None = None,
+        world_size: int | None = None,
+        device: torch.device | None = None,
+    ) -> WorkerContext:
+        """The context of a worker placed by its supervisor. A warm worker
+        (``elastic/warm_pool.py``) is told its rank, world and device; without them they are
+        read from Ray Train's context (a loop run under a ``TorchTrainer`` of its own)."""
+        if rank is None or world_size is None:
+            import ray.train
+            import ray.train.torch
 
+            train = ray.train.get_context()
+            rank, world_size = train.get_world_rank(), train.get_world_size()
+            device = device or ray.train.torch.get_device()
         meta = WorkerConfig.from_dict(config["_elastic"])
-        ctx = ray.train.get_context()
         supervisor = None
         if meta.supervisor:
             supervisor = ray.get_actor(meta.supervisor, namespace=meta.namespace)
         worker = cls(
-            rank=ctx.get_world_rank(),
-            world_size=ctx.get_world_size(),
+            rank=rank,
+            world_size=world_size,
             config=meta,
             supervisor=supervisor,
-            device=ray.train.torch.get_device(),
+            device=device or torch.device("cpu"),
         )
         if supervisor is not None:
             supervisor.register_worker.remote(
-                meta.attempt, ctx.get_world_rank(), ray.get_runtime_context().get_node_id()
+                meta.attempt, rank, ray.get_runtime_context().get_node_id()
             )
             if worker.rank == 0:
                 worker.tensorboard = TensorBoardLog(

@@ -678,7 +678,7 @@ def test_a_drained_node_pauses_the_job_at_its_next_step_and_it_resizes_off_it() 
         h.runner.end(AttemptOutcome())  # the workers stop there
         await h.attempt(2)
         # The draining node is alive and its CPU free again, but the job leaves it.
-        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_18")
+        assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_18", frozenset({drained}))
         assert drained not in h.runner.nodes
         assert not h.loop.drain_pending(2)
         await h.workers_start(2, step=19)
