@@ -5,8 +5,11 @@ The cluster of bench/recovery.py (a head that trains nothing and three one-CPU n
 failures detected after 3 missed 1 s health checks); the same small CNN job, 80 steps, a
 checkpoint every 10; the node of rank 1 killed once step 24 is seen. It prints the job's
 events (state changes, attempts, the first step of each attempt, recovery figures) and the
-start and end of every Ray actor of the run (the supervisor's `FitActor`, Ray Train's
-controller, its workers and its helper actors), from Ray's actor table.
+start and end of every Ray actor of the run (the supervisor, and the job's `WarmWorker`s:
+the ones placed at the start, which carry every later attempt unless they die, and any
+placed later for a slot that had none), from Ray's actor table. Until the warm pool
+(`elastic/warm_pool.py`) it showed a restart's serial chain of new processes: the
+supervisor's `FitActor`, Ray Train's controller, its workers and its helper actors.
 
     .venv/bin/python -m bench.restart_profile [--startup-concurrency N]
 

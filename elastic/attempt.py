@@ -1,4 +1,4 @@
-"""One attempt of a job (one Ray Train worker group, from start to end) and the recovery
+"""One attempt of a job (one process group of its workers, from start to end) and the recovery
 that spans attempts after a failure: plain data, no Ray."""
 
 from __future__ import annotations

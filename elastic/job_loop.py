@@ -46,9 +46,8 @@ class Timing:
     suspect_ttl_s: float = 60.0
     release_wait_s: float = 3.0  # for an ended attempt's survivors to free their resources
     reserve_s: float = 5.0  # to reserve capacity before starting or growing
-    # From an attempt's start until all its workers have registered; below Ray Train's own
-    # worker-group start timeout (attempt_runner.WORKER_GROUP_START_TIMEOUT_S). It covers the
-    # start of new worker processes too (each imports torch): several jobs that start at once
+    # From an attempt's start until all its workers have registered. It covers the start of
+    # new worker processes too (each imports torch): several jobs that start at once
     # on a small, busy machine took over 60 s, and were sent back to the queue for nothing.
     start_s: float = 110.0
     stop_grace_s: float = 15.0  # for a stopped attempt's fit() to come back
@@ -163,7 +162,7 @@ class JobLoop:
             await self._drop_reservation()
             return None
         if self.reservation is not None:
-            # Handed to this attempt's worker group, which Ray Train places itself.
+            # Handed to this attempt's workers: its new ones take what it frees.
             reservation, self.reservation = self.reservation, None
             await self.capacity.release(reservation, hand_over=True)
         attempt = self._begin(size, checkpoint)

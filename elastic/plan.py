@@ -12,7 +12,7 @@ COLLECTIVE_TIMEOUT_S = 30
 @dataclass
 class SupervisorPlan:
     job_id: str
-    train_loop: str  # "module:function" run by every Ray Train worker
+    train_loop: str  # "module:function" run by every worker
     train_config: dict[str, Any]
     min_workers: int
     max_workers: int
