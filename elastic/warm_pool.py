@@ -177,6 +177,9 @@ class WarmWorker:
                     with contextlib.suppress(Exception):
                         if dist.is_initialized():
                             dist.destroy_process_group()
+                    # The group's sockets close only when nothing holds it (DDP does, from
+                    # the failed loop's frames): a peer waiting on this worker fails now.
+                    gc.collect()
                     self._close_store()
                     result["clean"] = _writers_done(WRITER_WAIT_S)
         finally:
@@ -398,6 +401,7 @@ class WarmPoolRunner:
             self._kill(self.busy.pop(rank))
             return
         except ray.exceptions.RayError as e:  # our own code failed in the worker
+            log.warning("worker %s (pid %s) failed: %s", rank, member.pid, e)
             ending.errors.append((rank, last_line(str(e)) or type(e).__name__))
             ending.failed(time.monotonic())
             self._kill(self.busy.pop(rank))
@@ -408,7 +412,7 @@ class WarmPoolRunner:
         if result["clean"]:
             self._return_finished({rank})
         else:
-            log.info("worker %s (pid %s) left a checkpoint write running", rank, member.pid)
+            log.warning("worker %s (pid %s) left a checkpoint write running", rank, member.pid)
             self._kill(self.busy.pop(rank))
 
     async def _classify_stuck(self, ranks: set[int], ending: Ending) -> None:
@@ -420,10 +424,16 @@ class WarmPoolRunner:
         }
         await asyncio.wait(pings.values(), timeout=PING_S)
         for rank, ping in pings.items():
-            if not ping.done() or ping.exception() is not None:
+            answered = ping.done() and ping.exception() is None
+            if not answered:
                 ending.dead.add(rank)
-            else:
-                ping.result()
+            log.warning(
+                "worker %s (pid %s) did not end within %s s of the attempt's failure%s",
+                rank,
+                self.busy[rank].pid,
+                SETTLE_S,
+                "" if answered else ", nor answers: counted dead",
+            )
             ping.cancel()
 
 

@@ -78,12 +78,12 @@ class WorkerContext:
         (``elastic/warm_pool.py``) is told its rank, world and device; without them they are
         read from Ray Train's context (a loop run under a ``TorchTrainer`` of its own)."""
         if rank is None or world_size is None:
-            import ray.train
-            import ray.train.torch
+            from ray.train import get_context
+            from ray.train.torch import get_device
 
-            train = ray.train.get_context()
+            train = get_context()
             rank, world_size = train.get_world_rank(), train.get_world_size()
-            device = device or ray.train.torch.get_device()
+            device = device or get_device()
         meta = WorkerConfig.from_dict(config["_elastic"])
         supervisor = None
         if meta.supervisor:

@@ -385,7 +385,7 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     # The same two actors and processes as before the loss: no worker process was started.
     # (Ray may list the dead node's actor as alive for seconds: its node is left out.)
     survivors = {a: w for a, w in warm_workers().items() if w[1] != victim.node_id}
-    assert survivors == {a: w for a, w in before.items() if a != killed}
+    assert survivors == {a: w for a, w in before.items() if a != killed}, first_at_2 - killed_at
     pool.add_node()
     done = wait_until_ended(api, job["id"])
 
