@@ -52,9 +52,10 @@ log = logging.getLogger(__name__)
 # other workers' runs may take to end: a survivor's loop raises at its next collective, and
 # the call to a worker on a dead node fails once Ray gives up on its connection.
 SETTLE_S = 5.0
-# A worker whose run did not end within SETTLE_S is asked whether its process answers: one
-# that does not is counted dead (its node lost), one that does is stuck; both are killed.
-PING_S = 1.0
+# At an attempt's first failure every worker still running is asked whether its process
+# answers: one that does not within PING_S is counted dead (its node lost) and killed. One
+# whose run did not end within SETTLE_S is asked again, and killed whatever it answers.
+PING_S = 1.5
 # How long a worker's run waits, after its loop ended, for a checkpoint write in flight
 # (the next attempt must not start beside an old writer); past it the worker is replaced.
 WRITER_WAIT_S = 10.0
@@ -378,15 +379,53 @@ class WarmPoolRunner:
             ): rank
             for rank, m in self.busy.items()
         }
+        pings: dict[int, asyncio.Future[Any]] = {}
+        ping_deadline: float | None = None
         while runs:
-            deadline = settle_deadline(ending.failed_at)
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = await asyncio.wait(runs, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                break
-            for fut in done:
+            if ending.failed_at is not None and ping_deadline is None and not self.stopping:
+                # The first failure: is each worker still running alive? A dead one's call
+                # may fail only once Ray learns of its node's death (seconds); its ping
+                # gets no answer at once.
+                ping_deadline = time.monotonic() + PING_S
+                pings = {
+                    rank: asyncio.ensure_future(_awaited(self.busy[rank].actor.ping.remote()))
+                    for rank in runs.values()
+                }
+            deadlines = [d for d in (settle_deadline(ending.failed_at),) if d is not None]
+            if pings and ping_deadline is not None:
+                deadlines.append(ping_deadline)
+            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            done, _ = await asyncio.wait(
+                {*runs, *pings.values()}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            for fut in [f for f in runs if f in done]:
                 rank = runs.pop(fut)
+                pings.pop(rank, None)
                 self._ended(rank, fut, ending)
+            for rank, ping in list(pings.items()):
+                if self.stopping:  # the supervisor ended the attempt: no one is counted dead
+                    del pings[rank]
+                    ping.cancel()
+                elif ping.done() and ping.exception() is None:
+                    del pings[rank]  # alive: its run ends by itself, within SETTLE_S
+                elif ping.done() or time.monotonic() >= (ping_deadline or 0.0):
+                    del pings[rank]
+                    ping.cancel()
+                    log.warning(
+                        "worker %s (pid %s) does not answer after the attempt's failure: "
+                        "counted dead",
+                        rank,
+                        self.busy[rank].pid,
+                    )
+                    ending.dead.add(rank)
+                    for fut, r in list(runs.items()):
+                        if r == rank:
+                            del runs[fut]
+                            fut.cancel()
+                    self._kill(self.busy.pop(rank))
+            deadline = settle_deadline(ending.failed_at)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
         if runs and not self.stopping:
             await self._classify_stuck(set(runs.values()), ending)
 
