@@ -7,6 +7,12 @@ connection is closed), and a protocol that also closes a connection whose reques
 not complete within ``header_timeout_s`` and refuses connections past
 ``max_connections``. uvicorn's ``limit_concurrency`` answers 503 past the same number of
 requests in flight.
+
+A kept-alive connection between requests is held as long as a new one that says nothing
+(``header_timeout_s``), not uvicorn's default of 5 s: that is httpx's own keep-alive expiry
+(5 s), so a client sending its next request on a connection idle for just under 5 s met the
+server closing it ("Server disconnected without sending a response": every error of
+bench/api_load.py's runs). A server must keep idle connections longer than its clients do.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         "http": protocol,
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "limit_concurrency": settings.max_connections,
+        "timeout_keep_alive": settings.header_timeout_s,
         **overrides,
     }
     return uvicorn.Config(app, **values)
