@@ -46,6 +46,16 @@ class GuardedH11Protocol(H11Protocol):
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
         super().data_received(data)
 
+    def handle_events(self) -> None:
+        super().handle_events()
+        # A request head is complete once its cycle runs: its timer is done. (It closed the
+        # connection header_timeout_s after its first byte whenever it found it between two
+        # requests, however busy: a client's next request met a closing connection.)
+        head_done = self.cycle is not None and not self.cycle.response_complete
+        if self._head_timer is not None and head_done:
+            self._head_timer.cancel()
+            self._head_timer = None
+
     def _head_overdue(self) -> None:
         self._head_timer = None
         if self.cycle is None or self.cycle.response_complete:

@@ -1,4 +1,5 @@
-"""How long the server keeps an idle kept-alive connection: longer than its clients do.
+"""How long the server keeps a connection: an idle kept-alive one longer than its clients do,
+one in use as long as it is used.
 
 uvicorn's default (5 s) equals httpx's keep-alive expiry (5 s): a client that sent its next
 request on a connection idle for just under 5 s met the server closing it, and got
@@ -81,4 +82,35 @@ def test_an_idle_connection_is_closed_after_the_header_timeout(tmp_path: Path) -
         started = time.monotonic()
         sock.settimeout(5)
         assert sock.recv(65536) == b""  # closed by the server
+        assert 0.9 < time.monotonic() - started < 3.0
+
+
+def test_a_busy_connection_outlives_the_header_timeout(tmp_path: Path) -> None:
+    """A connection in use is never cut: the request-head timer ends with each head (it used
+    to close a connection header_timeout_s after it opened, whenever it found it between
+    two requests: bench.api_load's clients met that every 30 s)."""
+    with (
+        serving(tmp_path, header_timeout_s=1.0) as port,
+        socket.create_connection(("127.0.0.1", port), 10) as sock,
+    ):
+        for _ in range(12):  # 3 s: three times the header timeout
+            sock.sendall(REQUEST)
+            assert answer(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.25)
+
+
+def test_a_request_head_that_never_ends_is_cut_off_after_earlier_requests(
+    tmp_path: Path,
+) -> None:
+    """The timer is armed again for the next request's head."""
+    with (
+        serving(tmp_path, header_timeout_s=1.0) as port,
+        socket.create_connection(("127.0.0.1", port), 10) as sock,
+    ):
+        sock.sendall(REQUEST)
+        assert answer(sock).startswith(b"HTTP/1.1 200 ")
+        started = time.monotonic()
+        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+        sock.settimeout(5)
+        assert sock.recv(65536) == b""
         assert 0.9 < time.monotonic() - started < 3.0
