@@ -8,7 +8,8 @@ list of requests: reads of one job, pages of 50 of the job list,
 and submissions of a tiny job (each cancelled by its client right after, untimed, so the
 cluster never fills). Prints p50/p99/max latency and errors per kind, with the sample count:
 a p99 is printed only from 100 samples or more (below that it is the maximum in disguise).
-Target: p99 under 50 ms for every kind, zero errors. Loopback only.
+Target: p99 under 50 ms for every kind, zero errors; each error is printed with its cause
+(an error is a failure, not noise). Loopback only.
 
     .venv/bin/python -m bench.api_load [--database-url postgresql+psycopg://...]
         [--jobs 10000] [--clients 50] [--rate 1] [--reads 6000] [--pages 3000] [--submits 300]
