@@ -10,9 +10,10 @@ requests in flight.
 
 A kept-alive connection between requests is held as long as a new one that says nothing
 (``header_timeout_s``), not uvicorn's default of 5 s: that is httpx's own keep-alive expiry
-(5 s), so a client sending its next request on a connection idle for just under 5 s met the
-server closing it ("Server disconnected without sending a response": every error of
-bench/api_load.py's runs). A server must keep idle connections longer than its clients do.
+(5 s), so a client sending its next request on a connection idle for just under 5 s could
+meet the server closing it ("Server disconnected without sending a response", as
+bench/api_load.py's clients did). A server must keep idle connections longer than its
+clients do. The request-head timer ends with each head (see ``handle_events``).
 """
 
 from __future__ import annotations
