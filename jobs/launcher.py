@@ -100,6 +100,39 @@ def connect(
         )
 
 
+def export_supervisor_class() -> bool:
+    """Send the supervisor's actor class to the cluster now, as Ray itself does at the
+    class's first ``.remote()`` in a process (``ray.actor.ActorClass._remote``, Ray 2.x): it
+    pickles the class by value, holding the GIL for 0.1-0.25 s on 2 cores, which stalled
+    every request of a service that had just said it was ready (the first submission's
+    launch, bench/api_load.py). Done once at start-up, the first launch finds it done.
+    Returns whether it is exported (False: this Ray has other internals; Ray exports it at
+    the first launch, as before)."""
+    from ray._private.worker import global_worker
+
+    meta = getattr(Supervisor, "__ray_metadata__", None)
+    manager = getattr(global_worker, "function_actor_manager", None)
+    if meta is None or manager is None or not hasattr(meta, "last_export_cluster_and_job"):
+        return False
+    if meta.last_export_cluster_and_job != global_worker.current_cluster_and_job:
+        manager.export_actor_class(
+            meta.modified_class,
+            meta.actor_creation_function_descriptor,
+            meta.method_meta.methods.keys(),
+        )
+        meta.last_export_cluster_and_job = global_worker.current_cluster_and_job
+    return True
+
+
+def supervisor_class_exported() -> bool:
+    """Whether this process has sent the supervisor's class to the cluster it is on."""
+    from ray._private.worker import global_worker
+
+    meta = getattr(Supervisor, "__ray_metadata__", None)
+    exported = getattr(meta, "last_export_cluster_and_job", None)
+    return exported is not None and exported == global_worker.current_cluster_and_job
+
+
 def keep_ray_on_loopback() -> None:
     """Make a Ray instance started from this process use loopback addresses only: an
     embedded instance is for this machine alone (Ray otherwise advertises the host's
@@ -207,4 +240,5 @@ def find_supervisor(job_id: str, namespace: str) -> Any | None:
 
 
 def stop_supervisor(handle: Any) -> None:
+    """A call to Ray's GCS: run it off the event loop."""
     ray.kill(handle, no_restart=True)

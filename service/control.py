@@ -333,7 +333,8 @@ class JobControl:
             job = await self._store_events(job_id, events)
             handle.ack.remote(events[-1]["seq"])
             if JobState(job.state).is_terminal:
-                launcher.stop_supervisor(handle)
+                # A GCS call: on the event loop it held every request while it ran.
+                await asyncio.to_thread(launcher.stop_supervisor, handle)
                 self._forget(job_id)
 
     def _job_lock(self, job_id: str) -> asyncio.Lock:

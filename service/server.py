@@ -7,6 +7,13 @@ connection is closed), and a protocol that also closes a connection whose reques
 not complete within ``header_timeout_s`` and refuses connections past
 ``max_connections``. uvicorn's ``limit_concurrency`` answers 503 past the same number of
 requests in flight.
+
+A kept-alive connection between requests is held as long as a new one that says nothing
+(``header_timeout_s``), not uvicorn's default of 5 s: that is httpx's own keep-alive expiry
+(5 s), so a client sending its next request on a connection idle for just under 5 s could
+meet the server closing it ("Server disconnected without sending a response", as
+bench/api_load.py's clients did). A server must keep idle connections longer than its
+clients do. The request-head timer ends with each head (see ``handle_events``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,16 @@ class GuardedH11Protocol(H11Protocol):
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_overdue)
         super().data_received(data)
 
+    def handle_events(self) -> None:
+        super().handle_events()
+        # A request head is complete once its cycle runs: its timer is done. (It closed the
+        # connection header_timeout_s after its first byte whenever it found it between two
+        # requests, however busy: a client's next request met a closing connection.)
+        head_done = self.cycle is not None and not self.cycle.response_complete
+        if self._head_timer is not None and head_done:
+            self._head_timer.cancel()
+            self._head_timer = None
+
     def _head_overdue(self) -> None:
         self._head_timer = None
         if self.cycle is None or self.cycle.response_complete:
@@ -70,6 +87,7 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         "http": protocol,
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "limit_concurrency": settings.max_connections,
+        "timeout_keep_alive": settings.header_timeout_s,
         **overrides,
     }
     return uvicorn.Config(app, **values)

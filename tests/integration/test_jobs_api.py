@@ -106,6 +106,31 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
             assert r.json()["status"] == 401
 
 
+def test_the_supervisor_class_is_sent_to_ray_before_the_service_listens(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
+    """Ray pickles an actor class at its first creation in a process, holding the GIL for
+    0.1-0.25 s: the service does it while it starts, not at its first launch, when every
+    request in flight waited for it (bench/api_load.py)."""
+    from elastic.supervisor import Supervisor
+    from jobs import launcher
+
+    # As in a new process: this test session's earlier services may have exported it.
+    Supervisor.__ray_metadata__.last_export_cluster_and_job = None  # type: ignore[attr-defined]
+    assert not launcher.supervisor_class_exported()
+    with LiveServer(make_settings(tmp_path)) as live:
+        # Listening means the lifespan's start is done: no submission has launched anything.
+        assert launcher.supervisor_class_exported()
+        with live.client() as client:
+            assert client.get("/v1/jobs").json()["items"] == []
+            r = client.post("/v1/jobs", json=small_job(max_steps=1_000_000))
+            assert r.status_code == 201, r.text
+            job = r.json()
+            wait_state(client, job["id"], {"running"}, 120)
+            assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+            wait_state(client, job["id"], {"cancelled"}, 60)
+
+
 @pytest.mark.parametrize(
     "patch,field,message",
     [
