@@ -478,7 +478,9 @@ class JobLoop:
         if self.state in TERMINAL:
             return self.state
         self.cancelled = True
-        self.runner.stop()
+        # The job ends here: warm workers go at once, not after a stop's grace.
+        close = getattr(self.runner, "close", None)
+        (close or self.runner.stop)()
         self._set_state("cancelled", reason=reason)
         return self.state
 

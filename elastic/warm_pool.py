@@ -61,6 +61,10 @@ PING_S = 1.5
 WRITER_WAIT_S = 10.0
 # How long a worker waits for its last log lines to reach the supervisor.
 LOG_FLUSH_S = 10.0
+# After the supervisor stopped an attempt (Ray's membership lost one of its nodes, which
+# can come before the survivors' own collective errors on a busy machine), how long the
+# workers still running may take to end by themselves and stay warm before they are killed.
+STOP_SETTLE_S = 3.0
 
 
 def _device() -> Any:
@@ -254,6 +258,8 @@ class WarmPoolRunner:
         self.busy: dict[int, Member] = {}  # rank -> member, while its run goes on
         self.stopping = False
         self.closed = False
+        self.stop_deadline: float | None = None  # monotonic: when stopped runs are killed
+        self.stopped = asyncio.Event()
 
     # -- what the loop asks ------------------------------------------------------------------
 
@@ -266,17 +272,23 @@ class WarmPoolRunner:
         return set()  # a restart leaves a draining node by pausing at a checkpoint
 
     def stop(self) -> None:
-        """End the running attempt now: its workers still running are killed (a loop cannot
-        be interrupted from outside); those between attempts stay warm."""
+        """End the running attempt: its workers still running get ``STOP_SETTLE_S`` to end
+        by themselves (after a node loss their collectives fail within moments, and a worker
+        that ends cleanly stays warm), then are killed (a loop cannot be interrupted from
+        outside); those between attempts stay warm."""
         self.stopping = True
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + STOP_SETTLE_S
+        self.stopped.set()
         for member in list(self.busy.values()):
-            self._kill(member)
+            if member.node is None:  # still starting: nothing of it to keep warm
+                self._kill(member)
 
     def close(self) -> None:
-        """The job ended: every worker goes."""
+        """The job ended (or was cancelled): every worker goes, at once."""
         self.closed = True
         self.stop()
-        for member in self.idle:
+        for member in [*self.busy.values(), *self.idle]:
             self._kill(member)
         self.idle = []
 
@@ -309,6 +321,8 @@ class WarmPoolRunner:
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.stopping = False
+        self.stop_deadline = None
+        self.stopped = asyncio.Event()
         members = self._take(spec.world_size, spec.avoid)
         self.busy = dict(enumerate(members))
         ending = Ending()
@@ -363,7 +377,7 @@ class WarmPoolRunner:
                 ending.failed(time.monotonic())
                 self._return_finished(set(self.busy) - {0})
             return
-        runs = {
+        runs: dict[asyncio.Future[Any], int] = {
             asyncio.ensure_future(
                 _awaited(
                     m.actor.run.remote(
@@ -381,6 +395,23 @@ class WarmPoolRunner:
         }
         pings: dict[int, asyncio.Future[Any]] = {}
         ping_deadline: float | None = None
+        stop = asyncio.ensure_future(self.stopped.wait())
+        try:
+            await self._watch_runs(runs, pings, ping_deadline, stop, ending)
+        finally:
+            stop.cancel()
+        if runs and not self.stopping:
+            await self._classify_stuck(set(runs.values()), ending)
+
+    async def _watch_runs(
+        self,
+        runs: dict[asyncio.Future[Any], int],
+        pings: dict[int, asyncio.Future[Any]],
+        ping_deadline: float | None,
+        stop: asyncio.Future[Any],
+        ending: Ending,
+    ) -> None:
+        """Until every run ended, or the bound after a failure or a stop passed."""
         while runs:
             if ending.failed_at is not None and ping_deadline is None and not self.stopping:
                 # The first failure: is each worker still running alive? A dead one's call
@@ -391,12 +422,15 @@ class WarmPoolRunner:
                     rank: asyncio.ensure_future(_awaited(self.busy[rank].actor.ping.remote()))
                     for rank in runs.values()
                 }
-            deadlines = [d for d in (settle_deadline(ending.failed_at),) if d is not None]
+            deadlines = [
+                d for d in (settle_deadline(ending.failed_at), self.stop_deadline) if d is not None
+            ]
             if pings and ping_deadline is not None:
                 deadlines.append(ping_deadline)
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            waiting = {*runs, *pings.values()} | (set() if stop.done() else {stop})
             done, _ = await asyncio.wait(
-                {*runs, *pings.values()}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             for fut in [f for f in runs if f in done]:
                 rank = runs.pop(fut)
@@ -426,8 +460,8 @@ class WarmPoolRunner:
             deadline = settle_deadline(ending.failed_at)
             if deadline is not None and time.monotonic() >= deadline:
                 break
-        if runs and not self.stopping:
-            await self._classify_stuck(set(runs.values()), ending)
+            if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
+                break
 
     def _ended(self, rank: int, fut: asyncio.Future[Any], ending: Ending) -> None:
         member = self.busy[rank]

@@ -10,10 +10,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
-from starlette.types import Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
 from jobs import launcher
@@ -106,7 +104,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     _reclaim_sigterm()
     services.control = JobControl(settings, services.store, services.hub)
     services.control.start()
-    await _prime_routes(app, services.admin_token)
+    _build_middleware_stack(app)
     try:
         yield
     finally:
@@ -125,27 +123,11 @@ def _warm_up(services: deps.Services) -> None:
         log.warning("warm-up: exporting the supervisor's class failed", exc_info=True)
 
 
-async def _prime_routes(app: FastAPI, admin_token: str) -> None:
-    """FastAPI builds a router's table of routes at its first request (44 ms here), Starlette
-    its middleware stack, and the store's first query compiles its SQL: the stack built and
-    one read of the jobs list through the app's router pay them before the server listens
-    (the read skips the middleware: no request metric counts it). A failure only leaves the
-    cost to the first client."""
-
-    async def routes_only(scope: Scope, receive: Receive, send: Send) -> None:
-        scope["app"] = app
-        await app.router(scope, receive, send)
-
-    if app.middleware_stack is None:  # as Starlette builds it at its first request
+def _build_middleware_stack(app: FastAPI) -> None:
+    """Starlette builds an app's middleware stack at its first request: built before the
+    server listens instead, so that no client pays it."""
+    if app.middleware_stack is None:
         app.middleware_stack = app.build_middleware_stack()
-    transport = httpx.ASGITransport(app=routes_only)
-    headers = {"Authorization": f"Bearer {admin_token}"}
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://warm-up") as client:
-            r = await client.get("/v1/jobs", params={"limit": 1}, headers=headers)
-            r.raise_for_status()
-    except Exception:
-        log.warning("warm-up: reading the jobs list failed", exc_info=True)
 
 
 def _reclaim_sigterm() -> None:

@@ -38,8 +38,8 @@ def alive_train_workers() -> list[Any]:
     return [
         a
         for a in list_actors(filters=[("state", "=", "ALIVE")])
-        # A Ray Train worker (restart mode) or an in-place replica (the default here).
-        if a.class_name in ("RayTrainWorker", "Replica")
+        # A warm worker (restart mode) or an in-place replica (the default here).
+        if a.class_name in ("WarmWorker", "Replica")
     ]
 
 
