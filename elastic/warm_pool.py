@@ -393,11 +393,9 @@ class WarmPoolRunner:
             ): rank
             for rank, m in self.busy.items()
         }
-        pings: dict[int, asyncio.Future[Any]] = {}
-        ping_deadline: float | None = None
         stop = asyncio.ensure_future(self.stopped.wait())
         try:
-            await self._watch_runs(runs, pings, ping_deadline, stop, ending)
+            await self._watch_runs(runs, stop, ending)
         finally:
             stop.cancel()
         if runs and not self.stopping:
@@ -406,12 +404,12 @@ class WarmPoolRunner:
     async def _watch_runs(
         self,
         runs: dict[asyncio.Future[Any], int],
-        pings: dict[int, asyncio.Future[Any]],
-        ping_deadline: float | None,
         stop: asyncio.Future[Any],
         ending: Ending,
     ) -> None:
         """Until every run ended, or the bound after a failure or a stop passed."""
+        pings: dict[int, asyncio.Future[Any]] = {}
+        ping_deadline: float | None = None
         while runs:
             if ending.failed_at is not None and ping_deadline is None and not self.stopping:
                 # The first failure: is each worker still running alive? A dead one's call

@@ -93,6 +93,23 @@ def states(api: httpx.Client, job_id: str) -> list[str]:
     return [e["data"]["state"] for e in events(api, job_id, "state")]
 
 
+def assert_shrank_to_2_and_grew_back(
+    api: httpx.Client, job_id: str, done: dict[str, Any], steps: int
+) -> None:
+    """A job that lost one of its 3 workers, went on at 2 and grew back to 3: all its steps,
+    one recovery, and an attempt at each of those sizes."""
+    assert done["state"] == "succeeded" and done["step"] == steps
+    assert states(api, job_id) == [
+        "queued",
+        "starting",
+        "running",
+        "recovering",
+        "running",
+        "succeeded",
+    ]
+    assert [e["data"]["world_size"] for e in events(api, job_id, "attempt_started")] == [3, 2, 3]
+
+
 def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: str) -> dict:
     def check() -> dict | None:
         job = get(api, job_id)
@@ -170,16 +187,7 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     pool.add_node()
     done = wait_until_ended(api, job["id"])
 
-    assert done["state"] == "succeeded" and done["step"] == steps
-    assert states(api, job["id"]) == [
-        "queued",
-        "starting",
-        "running",
-        "recovering",
-        "running",
-        "succeeded",
-    ]
-    assert [e["data"]["world_size"] for e in events(api, job["id"], "attempt_started")] == [3, 2, 3]
+    assert_shrank_to_2_and_grew_back(api, job["id"], done, steps)
 
     (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
     (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
@@ -390,16 +398,7 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     pool.add_node()
     done = wait_until_ended(api, job["id"])
 
-    assert done["state"] == "succeeded" and done["step"] == steps
-    assert states(api, job["id"]) == [
-        "queued",
-        "starting",
-        "running",
-        "recovering",
-        "running",
-        "succeeded",
-    ]
-    assert [e["data"]["world_size"] for e in events(api, job["id"], "attempt_started")] == [3, 2, 3]
+    assert_shrank_to_2_and_grew_back(api, job["id"], done, steps)
     (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
     assert lost["nodes"] == [victim.node_id] and lost["from_world"] == 3
     shrink, grow = [e["data"] for e in events(api, job["id"], "resized")]
