@@ -252,12 +252,42 @@ class MembershipWatcher:
         if dead:
             self._bump()
 
+    # -- the scheduler ------------------------------------------------------------------------
+
+    async def set_quotas(self, quotas: dict[str, dict[str, float | None]]) -> None:
+        """Owner -> {"workers": n or None, "gpus": n or None}: the service pushes every
+        user's quota at start-up and on each change (an owner not named has none)."""
+        self.quotas = dict(quotas)
+        self._bump()
+
+    async def queue(self) -> dict[str, Any]:
+        """What the scheduler holds, for ``GET /v1/queue`` and the dashboard:
+
+        ``{"queue": [{"job_id", "owner", "priority", "position", "reason",
+        "expected_start_s"}], "running": [{"job_id", "owner", "priority", "size",
+        "borrowed", "min_workers", "max_workers"}], "quotas": {owner: {"workers", "gpus"}}}``
+        (positions from 1, in the order the waiting jobs would start)."""
+        return {"queue": [], "running": [], "quotas": dict(getattr(self, "quotas", {}))}
+
     def _bump(self, new: bool = True) -> None:
         if new:
             c = self.current
             self.current = Snapshot(c.version + 1, c.alive, c.free, c.draining)
         self.changed.set()
         self.changed = asyncio.Event()
+
+
+def shared_watcher(namespace: str) -> Any:
+    """The cluster's one membership watcher and scheduler (a detached named actor on the head
+    node), started if it is not running."""
+    options = {
+        "name": WATCHER_NAME,
+        "namespace": namespace,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        **on_head_node(),
+    }
+    return MembershipWatcher.options(**options).remote()  # type: ignore[attr-defined]
 
 
 class RayCapacity:
@@ -270,14 +300,7 @@ class RayCapacity:
 
     def _get_watcher(self) -> Any:
         if self._watcher is None:
-            options = {
-                "name": WATCHER_NAME,
-                "namespace": self.namespace,
-                "lifetime": "detached",
-                "get_if_exists": True,
-                **on_head_node(),
-            }
-            self._watcher = MembershipWatcher.options(**options).remote()  # type: ignore[attr-defined]
+            self._watcher = shared_watcher(self.namespace)
         return self._watcher
 
     async def _call(self, method: str, *args: Any) -> Any:
