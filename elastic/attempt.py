@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from elastic.scheduling import Placement
+
 
 class EndCause(StrEnum):
     """Why an attempt ended, as the restart policy tells them apart."""
@@ -43,6 +45,10 @@ class Attempt:
     stop_cause: EndCause | None = None  # set when the supervisor ends the attempt itself
     stop_reason: str | None = None
     grow_to: int | None = None  # a grow is reserved: pause at the next checkpoint
+    # The scheduler's order to shrink (or, below min_workers, to give every worker back):
+    # pause at the next step, with a checkpoint of it.
+    shrink: Placement | None = None
+    grow_reason: Placement | None = None  # the scheduler's word for a grow it allowed
     paused_at: int | None = None
     ended: bool = False
 
@@ -67,13 +73,14 @@ class Recovery:
     """From the first failure signal (or a pause to grow) until the first step of the
     attempt that carries on: it spans every attempt that failed on the way."""
 
-    kind: str  # "loss", "failure" or "grow"
+    kind: str  # "loss", "failure", "grow", "drain", "shrink" or "preempt"
     from_world: int
     completed_step: int  # the furthest step completed before the failure
     failed_at: float  # the first failure signal, or when the pause began
     detected_at: float
     attempts: int = 1  # attempts that ended on the way
     checkpoint_step: int | None = None  # the one restored, once known
+    decision: Placement | None = None  # the scheduler's, when it ordered this resize
 
     @property
     def steps_redone(self) -> int:

@@ -27,6 +27,8 @@ class AttemptSpec:
     # Nodes the attempt must not use (suspected lost, or draining): a warm worker there is
     # let go rather than trained on.
     avoid: frozenset[str] = frozenset()
+    # In place: how many replicas to keep placed, joiners included (None: max_workers).
+    replicas: int | None = None
 
 
 class AttemptRunner(Protocol):
@@ -41,6 +43,11 @@ class AttemptRunner(Protocol):
     def leave(self, ranks: set[int]) -> set[int]:
         """In place only: these workers leave the running attempt (their nodes are
         draining) while the others train on. Returns those told."""
+        ...
+
+    def resize(self, size: int) -> set[int]:
+        """In place only: the scheduler's new size for the running attempt (replicas beyond
+        it leave at a step; below it, joiners are placed). Returns those told to leave."""
         ...
 
 

@@ -19,12 +19,17 @@ from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.policy import workers_that_fit
+from elastic.scheduler_book import SchedulerBook
+from elastic.scheduling import Demand, Placement
 
 log = logging.getLogger(__name__)
 
 HEAD_RESOURCE = "node:__internal_head__"
 WATCHER_NAME = "etrain-membership"
 WATCH_POLL_S = 0.5
+# How often the scheduler checks that the supervisors it books workers for still live (one
+# killed with its node never says goodbye), and plans again with fresh throughput.
+SCHEDULER_CHECK_S = 5.0
 # A supervisor's wait for news is cut off after this, so that it can look at its own clock.
 WAIT_CAP_S = 2.0
 # Capacity handed from a reservation to a worker group that Ray Train places itself stays
@@ -44,6 +49,9 @@ class Snapshot:
     # Nodes Ray is draining (a preemption notice, a scale-down) -> the deadline, Unix ms (0:
     # none). They are alive but take no new work, and will go.
     draining: dict[str, int] = field(default_factory=dict)
+    # The cluster scheduler's decision for the asking job: the size it should have and why
+    # (None: the job did not register with a scheduler, and sizes itself by what is free).
+    target: Placement | None = None
 
     def workers_free(self, per_worker: Mapping[str, float], exclude: Collection[str] = ()) -> int:
         """Workers that fit in what is free, leaving out ``exclude`` (nodes suspected dead
@@ -90,6 +98,19 @@ class CapacitySource(Protocol):
         """Those of ``nodes`` that do not answer within ``timeout_s``: a node killed a moment
         ago is still alive in Ray's membership for seconds, while its workers' peers have
         already failed."""
+        ...
+
+    async def register(self, demand: Demand) -> None:
+        """Ask the cluster's scheduler for workers: from now on every snapshot carries its
+        decision for this job (:attr:`Snapshot.target`)."""
+        ...
+
+    async def unregister(self) -> None:
+        """The job holds nothing any more: the scheduler hands its workers to others."""
+        ...
+
+    async def observe(self, world_size: int, samples_per_s: float) -> None:
+        """The job's measured throughput at this size, for the scheduler's sharing."""
         ...
 
 
@@ -173,6 +194,10 @@ class MembershipWatcher:
         self.task: asyncio.Task[None] | None = None
         # job -> (per node, until, the claiming supervisor's actor id)
         self.claims: dict[str, tuple[Resources, float, str | None]] = {}
+        self.book = SchedulerBook()
+        self.totals: Resources = {}
+        self.supervisors: dict[str, str] = {}  # job -> its supervisor's actor id
+        self.checked_at = 0.0
 
     async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:
         self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S, owner)
@@ -195,13 +220,17 @@ class MembershipWatcher:
                 for name, amount in held.items():
                     if node in free:
                         free[node][name] = max(0.0, free[node].get(name, 0.0) - amount)
-        return Snapshot(current.version, current.alive, free, current.draining)
+        target = self.book.target(job_id)
+        return Snapshot(current.version, current.alive, free, current.draining, target)
 
-    async def _wait(self, after_version: int, timeout_s: float) -> Snapshot:
+    async def _ensure_watching(self) -> None:
         if self.task is None or self.task.done():
             if self.task is None:
                 await self._poll()
             self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _wait(self, after_version: int, timeout_s: float) -> Snapshot:
+        await self._ensure_watching()
         deadline = time.monotonic() + min(timeout_s, WAIT_CAP_S)
         while self.current.version <= after_version:
             left = deadline - time.monotonic()
@@ -227,14 +256,18 @@ class MembershipWatcher:
 
     async def _poll(self) -> None:
         await asyncio.to_thread(remove_orphaned_groups, ray.get_runtime_context().namespace)
-        alive, free, draining = await asyncio.to_thread(
-            lambda: (alive_nodes(), free_per_node(), draining_nodes())
+        alive, free, draining, totals = await asyncio.to_thread(
+            lambda: (alive_nodes(), free_per_node(), draining_nodes(), total_per_node())
         )
         await self._drop_orphan_claims()
+        await self._check_supervisors()
         c = self.current
         if alive == c.alive and free == c.free and draining == c.draining:
             return
         self.current = Snapshot(c.version + 1, frozenset(alive), free, draining)
+        if totals != self.totals or alive != c.alive or draining != c.draining:
+            self.totals = totals
+            self._replan()
         self._bump(new=False)
 
     async def _drop_orphan_claims(self) -> None:
@@ -254,11 +287,27 @@ class MembershipWatcher:
 
     # -- the scheduler ------------------------------------------------------------------------
 
+    async def register(self, demand: Demand, supervisor: str | None) -> None:
+        await self._ensure_watching()  # its first decision needs the nodes
+        self.book.register(demand, time.time())
+        if supervisor is not None:
+            self.supervisors[demand.job_id] = supervisor
+        self._replan(force=True)
+
+    async def unregister(self, job_id: str) -> None:
+        self.supervisors.pop(job_id, None)
+        if self.book.unregister(job_id):
+            self._replan(force=True)
+
+    async def observe(self, job_id: str, world_size: int, samples_per_s: float) -> None:
+        self.book.observe(job_id, world_size, samples_per_s)
+
     async def set_quotas(self, quotas: dict[str, dict[str, float | None]]) -> None:
         """Owner -> {"workers": n or None, "gpus": n or None}: the service pushes every
-        user's quota at start-up and on each change (an owner not named has none)."""
-        self.quotas = dict(quotas)
-        self._bump()
+        user's quota at start-up and on each change; "*" is the quota of an owner not named
+        (none, when "*" is not given either)."""
+        self.book.set_quotas(quotas)
+        self._replan(force=True)
 
     async def queue(self) -> dict[str, Any]:
         """What the scheduler holds, for ``GET /v1/queue`` and the dashboard:
@@ -267,7 +316,37 @@ class MembershipWatcher:
         "expected_start_s"}], "running": [{"job_id", "owner", "priority", "size",
         "borrowed", "min_workers", "max_workers"}], "quotas": {owner: {"workers", "gpus"}}}``
         (positions from 1, in the order the waiting jobs would start)."""
-        return {"queue": [], "running": [], "quotas": dict(getattr(self, "quotas", {}))}
+        return self.book.view()
+
+    def _replan(self, force: bool = False) -> None:
+        """Decide every job's size again; wake the supervisors when a decision changed (a
+        bump even with none, when ``force``: a job that just registered waits for its
+        first decision)."""
+        c = self.current
+        nodes = [
+            total
+            for node, total in self.totals.items()
+            if node in c.alive and node not in c.draining
+        ]
+        if self.book.replan(nodes, time.time()) or force:
+            self._bump()
+
+    async def _check_supervisors(self) -> None:
+        """Forget the jobs whose supervisor died without saying so (killed with its node, or
+        by a cancel): their workers went with it, and others may have them."""
+        now = time.monotonic()
+        if now - self.checked_at < SCHEDULER_CHECK_S:
+            return
+        self.checked_at = now
+        owners = dict(self.supervisors)
+        if owners:
+            dead = await asyncio.to_thread(
+                lambda: {job for job, actor in owners.items() if not actor_alive(actor)}
+            )
+            for job in dead:
+                self.supervisors.pop(job, None)
+                self.book.unregister(job)
+        self._replan()  # with fresh throughput, at most this often: sizes do not flap
 
     def _bump(self, new: bool = True) -> None:
         if new:
@@ -297,6 +376,7 @@ class RayCapacity:
         self.namespace = namespace
         self.job_id = job_id
         self._watcher: Any = None
+        self.demand: Demand | None = None  # registered with the scheduler
 
     def _get_watcher(self) -> Any:
         if self._watcher is None:
@@ -317,6 +397,10 @@ class RayCapacity:
 
     async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
         snap: Snapshot = await self._call("snapshot", self.job_id, after_version, timeout_s)
+        if snap.target is None and self.demand is not None:
+            # A new watcher (the old one died) has empty books: ask it again.
+            await self.register(self.demand)
+            snap = await self._call("snapshot", self.job_id, -1, 0.0)
         return snap
 
     async def reserve(
@@ -348,6 +432,17 @@ class RayCapacity:
 
     async def settle(self) -> None:
         await self._call("unclaim", self.job_id)
+
+    async def register(self, demand: Demand) -> None:
+        self.demand = demand
+        await self._call("register", demand, ray.get_runtime_context().get_actor_id())
+
+    async def unregister(self) -> None:
+        self.demand = None
+        await self._call("unregister", self.job_id)
+
+    async def observe(self, world_size: int, samples_per_s: float) -> None:
+        await self._call("observe", self.job_id, world_size, samples_per_s)
 
     async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
         probes = {

@@ -31,6 +31,9 @@ class EventKind(StrEnum):
     RESIZED = "resized"
     JOINED = "joined"  # in place: a replica joined the quorum, healed from a peer
     WAITING = "waiting"  # the job cannot start or grow yet, and why
+    # The cluster's scheduler resized the job (shrunk for a job of higher priority, grew into
+    # idle capacity, preempted it): what the supervisor was told, and why.
+    SCHEDULED = "scheduled"
     SUPERVISOR_RECREATED = "supervisor_recreated"
     EVENTS_DROPPED = "events_dropped"
     # Sent by a worker whose collective failed, before it raises; the supervisor folds it

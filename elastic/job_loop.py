@@ -27,6 +27,7 @@ from elastic.checkpoints import CheckpointInfo
 from elastic.events import EventKind, EventLog
 from elastic.plan import SupervisorPlan
 from elastic.policy import RestartPolicy, below_min_for_too_long, choose_world_size, grow_target
+from elastic.scheduling import Demand, Placement
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ class JobLoop:
         # A drain notice for nodes of the running attempt: (attempt number, those nodes).
         # The attempt pauses at its next checkpoint and the job goes on without them.
         self.draining: tuple[int, frozenset[str]] | None = None
+        # The latest throughput measured at each size, not yet told to the scheduler.
+        self.throughput: dict[int, float] = {}
+        self.replicas: int | None = None  # in place: the scheduler's size at the start
 
     # -- the routing -------------------------------------------------------------------------
 
@@ -116,6 +120,8 @@ class JobLoop:
             close = getattr(self.runner, "close", None)
             if close is not None:  # warm workers outlive attempts, not the job
                 close()
+            with contextlib.suppress(Exception):  # it also forgets a supervisor that died
+                await self.capacity.unregister()
 
     async def _start(self) -> Step | None:
         if self.storage_check is not None:
@@ -125,6 +131,7 @@ class JobLoop:
                 return None
         if self.plan.recreated:
             self._resume_after_supervisor_loss()
+        await self.capacity.register(self._demand())
         return self._schedule
 
     async def _schedule(self) -> Step | None:
@@ -134,7 +141,22 @@ class JobLoop:
             snap = await self._next_snapshot(wait)
             wait = True
             fit = self._fit(snap)
-            size = choose_world_size(self.plan.min_workers, self.plan.max_workers, fit)
+            decided = snap.target
+            cap = (
+                self.plan.max_workers
+                if decided is None
+                else min(decided.size, self.plan.max_workers)
+            )
+            if cap < self.plan.min_workers:
+                # The scheduler holds it back (its queue, a quota, a job of higher priority):
+                # it waits as a queued job, and the grace for lost workers does not run.
+                assert decided is not None
+                if self.state == "recovering":  # its recovery spans the wait
+                    self._set_state("queued", reason=decided.reason)
+                self._waiting(decided.reason)
+                continue
+            size = choose_world_size(self.plan.min_workers, cap, fit)
+            self.replicas = None if decided is None else cap
             if size is None:
                 if self.state == "recovering" and below_min_for_too_long(
                     time.monotonic() - began, self.plan.min_workers_grace_s
@@ -171,6 +193,7 @@ class JobLoop:
             size,
             checkpoint.path if checkpoint else None,
             frozenset(self.suspects),
+            self.replicas,
         )
         running = asyncio.ensure_future(self.runner.run(spec))
         watch = self._watch_in_place if self.plan.fault_tolerance == "in_place" else self._watch
@@ -199,6 +222,13 @@ class JobLoop:
             return None
         cause = attempt.stop_cause
         lost: set[str] = set()
+        if (
+            attempt.shrink is not None
+            and outcome.error is None
+            and attempt.paused_at is None
+            and cause is None
+        ):  # in place, preempted: every replica left at a step, with a checkpoint of it
+            attempt.paused_at = attempt.checkpoint_step or 0
         if cause is None:
             if outcome.error is None:
                 cause = EndCause.PAUSED if attempt.paused_at is not None else EndCause.FINISHED
@@ -238,10 +268,29 @@ class JobLoop:
                 leaving = sum(n in nodes for n in attempt.worker_nodes.values())
                 await self._wait_for_release(attempt.world_size - leaving)
                 return self._schedule
+            if attempt.shrink is not None:
+                return await self._shrunk(attempt, attempt.shrink, step, now)
             self.recovery = Recovery("grow", attempt.world_size, step, now, now)
+            self.recovery.decision = attempt.grow_reason
             await self._wait_for_release(attempt.grow_to or attempt.world_size)
             return self._schedule
         return await self._failed(attempt, cause, attempt.stop_reason or outcome.error, lost, now)
+
+    async def _shrunk(
+        self, attempt: Attempt, decided: Placement, step: int, now: float
+    ) -> Step | None:
+        """Paused for the scheduler: go on smaller, or, preempted, give every worker back and
+        wait in the queue; either way from the checkpoint of the step it paused at."""
+        if decided.size >= self.plan.min_workers:
+            self.recovery = Recovery("shrink", attempt.world_size, step, now, now)
+            self.recovery.decision = decided
+            return self._schedule
+        let_go = getattr(self.runner, "let_go", None)
+        if let_go is not None:  # its warm workers' slots are what the other job waits for
+            let_go()
+        self.recovery = Recovery("preempt", attempt.world_size, step, now, now)
+        self._set_state("queued", reason=decided.reason, checkpoint_step=step)
+        return self._schedule
 
     async def _failed(
         self, attempt: Attempt, cause: EndCause, reason: str | None, lost: set[str], now: float
@@ -327,9 +376,11 @@ class JobLoop:
             if not self._claim_settled:
                 self._claim_settled = True
                 await self.capacity.settle()
+            await self._tell_throughput()
             if attempt.paused_at is not None:
                 continue  # it is ending: nothing more to notice, nor to grow by
             self._notice_drain(attempt, snap)
+            self._notice_shrink(attempt, snap)
             await self._maybe_reserve_growth(attempt, snap)
 
     def _notice_drain(self, attempt: Attempt, snap: Snapshot) -> None:
@@ -349,6 +400,27 @@ class JobLoop:
             min(deadlines) if deadlines else None,
         )
 
+    def _notice_shrink(self, attempt: Attempt, snap: Snapshot) -> None:
+        """The scheduler wants workers of this attempt for another job (or all of them, to
+        preempt it): it pauses at its next step with a checkpoint of it, like a drain."""
+        decided = snap.target
+        if (
+            decided is None
+            or attempt.shrink is not None
+            or decided.size >= attempt.world_size
+            or self.state != "running"
+        ):
+            return
+        attempt.shrink = decided
+        self._tell_scheduled(decided, attempt.world_size, max(0, decided.size))
+        log.info(
+            "job %s: the scheduler wants %s of its %s workers (%s); pausing at the next step",
+            self.plan.job_id,
+            decided.size,
+            attempt.world_size,
+            decided.reason,
+        )
+
     def _drained(self, attempt: Attempt) -> frozenset[str]:
         """The attempt's nodes that a drain notice is for (it pauses to leave them)."""
         if self.draining is not None and self.draining[0] == attempt.number:
@@ -360,12 +432,40 @@ class JobLoop:
         the runner places replacements that wait for capacity. Only what was handed over at
         the start is settled once the first replicas are placed."""
         self._claim_settled = False
+        told = self.replicas
         while not attempt.ended:
             snap = await self._next_snapshot()
             if not self._claim_settled and attempt.all_placed:
                 self._claim_settled = True
                 await self.capacity.settle()
+            await self._tell_throughput()
             self._leave_draining_nodes(attempt, snap)
+            decided = snap.target
+            if decided is None or told is None or self.state != "running":
+                continue
+            size = min(decided.size, self.plan.max_workers)
+            if size < self.plan.min_workers:  # preempted: every replica leaves at a step
+                if attempt.shrink is None:
+                    attempt.shrink = decided
+                    self._tell_scheduled(decided, told, 0)
+                    self.runner.resize(0)
+                continue
+            if size != told:
+                self._tell_scheduled(decided, told, size)
+                self.runner.resize(size)
+                told = size
+
+    def _tell_scheduled(self, decided: Placement, from_world: int, to_world: int) -> None:
+        self._emit(
+            EventKind.SCHEDULED,
+            {
+                "change": decided.change.value,
+                "from_world": from_world,
+                "to_world": to_world,
+                "reason": decided.reason,
+                "for_job": decided.for_job,
+            },
+        )
 
     def _leave_draining_nodes(self, attempt: Attempt, snap: Snapshot) -> None:
         """In place, a drain notice needs no pause: the replicas on the draining nodes leave
@@ -392,8 +492,12 @@ class JobLoop:
         ):
             return
         free = snap.workers_free(self.plan.resources_per_worker, self.suspects)
-        target = grow_target(attempt.world_size, self.plan.max_workers, free)
-        if target is None:
+        decided = snap.target
+        most = (
+            self.plan.max_workers if decided is None else min(decided.size, self.plan.max_workers)
+        )
+        target = grow_target(attempt.world_size, most, free)
+        if target is None or attempt.shrink is not None:
             return
         extra = target - attempt.world_size
         reservation = await self.capacity.reserve(
@@ -406,6 +510,9 @@ class JobLoop:
         # Only now, with the capacity held for this job, is a pause to grow worth it.
         self.reservation = reservation
         attempt.grow_to = target
+        attempt.grow_reason = decided
+        if decided is not None:
+            self._tell_scheduled(decided, attempt.world_size, target)
 
     def _stop(self, attempt: Attempt, cause: EndCause, reason: str) -> None:
         now = self.clock()
@@ -427,7 +534,7 @@ class JobLoop:
         current = self.attempt
         if current is None or attempt != current.number:
             return False
-        if current.grow_to is None and not self._drained(current):
+        if current.grow_to is None and not self._drained(current) and current.shrink is None:
             return False
         if self.cancelled:
             return False
@@ -441,7 +548,7 @@ class JobLoop:
         current = self.attempt
         if current is None or attempt != current.number or self.cancelled:
             return False
-        return bool(self._drained(current))
+        return bool(self._drained(current)) or current.shrink is not None
 
     def record(self, kind: str, data: dict[str, Any]) -> None:
         current = self.attempt
@@ -460,6 +567,9 @@ class JobLoop:
             return
         if what == EventKind.METRICS:
             done = None if completed is None else int(completed)
+            rate, world = data.get("samples_per_s"), data.get("world_size")
+            if rate and world:
+                self.throughput[int(world)] = float(rate)
             current.saw_step(int(data.get("step", 0)), done)
             if not current.running:
                 current.running = True
@@ -605,6 +715,25 @@ class JobLoop:
             gone = await self.capacity.unreachable(nodes, self.timing.probe_s)
         return gone
 
+    def _demand(self) -> Demand:
+        p = self.plan
+        return Demand(
+            job_id=p.job_id,
+            owner=p.owner,
+            priority=p.priority,
+            min_workers=p.min_workers,
+            max_workers=p.max_workers,
+            per_worker=dict(p.resources_per_worker),
+            submitted_at=p.submitted_at,
+            resize=p.fault_tolerance,
+        )
+
+    async def _tell_throughput(self) -> None:
+        """What was measured since last time, for the scheduler's sharing of spare workers."""
+        measured, self.throughput = self.throughput, {}
+        for world, rate in measured.items():
+            await self.capacity.observe(world, rate)
+
     async def _drop_reservation(self) -> None:
         if self.reservation is not None:
             reservation, self.reservation = self.reservation, None
@@ -629,10 +758,12 @@ class JobLoop:
         r = self.recovery
         assert r is not None
         fields = r.fields(attempt.world_size, self.clock())
-        if r.kind not in ("grow", "drain") and r.checkpoint_step is not None:
+        if r.kind not in ("grow", "drain", "shrink") and r.checkpoint_step is not None:
             self._emit(EventKind.RESTORED, {"kind": "restored", **fields})
         if r.from_world != attempt.world_size:
-            why = {"reason": "drain"} if r.kind == "drain" else {}
+            why: dict[str, Any] = {"reason": "drain"} if r.kind == "drain" else {}
+            if r.decision is not None:  # the scheduler's word: for whom, or into what
+                why = {"reason": r.decision.reason, "for_job": r.decision.for_job}
             self._emit(EventKind.RESIZED, {"kind": "resized", **fields, **why})
         self.recovery = None
 

@@ -39,3 +39,7 @@ class SupervisorPlan:
     # "in_place": survivors train on through a node loss (elastic/in_place); "restart": a new
     # worker group from the latest checkpoint.
     fault_tolerance: str = "restart"
+    # What the cluster's scheduler orders jobs by: whose job, how urgent, and since when.
+    owner: str = ""
+    priority: int = 50
+    submitted_at: float = 0.0

@@ -271,6 +271,9 @@ class WarmPoolRunner:
     def leave(self, ranks: set[int]) -> set[int]:
         return set()  # a restart leaves a draining node by pausing at a checkpoint
 
+    def resize(self, size: int) -> set[int]:
+        return set()  # a restart resizes by pausing at a step, then starting at the new size
+
     def stop(self) -> None:
         """End the running attempt: its workers still running get ``STOP_SETTLE_S`` to end
         by themselves (after a node loss their collectives fail within moments, and a worker
@@ -283,6 +286,13 @@ class WarmPoolRunner:
         for member in list(self.busy.values()):
             if member.node is None:  # still starting: nothing of it to keep warm
                 self._kill(member)
+
+    def let_go(self) -> None:
+        """Between attempts: every idle worker goes, and its slot with it (the scheduler
+        gave them to another job); later attempts place new ones."""
+        idle, self.idle = self.idle, []
+        for member in idle:
+            self._kill(member)
 
     def close(self) -> None:
         """The job ended (or was cancelled): every worker goes, at once."""

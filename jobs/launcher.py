@@ -13,6 +13,7 @@ from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
 from elastic import capacity, policy
+from elastic.scheduling import DEFAULT_PRIORITY
 from elastic.supervisor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
@@ -175,6 +176,8 @@ def launch(
     namespace: str,
     first_seq: int,
     resume: Resume | None = None,
+    owner: str = "",
+    submitted_at: float = 0.0,
 ) -> Any:
     """Start the job's supervisor (detached: it outlives the API process) and its loop;
     with ``resume``, a new supervisor for a job whose supervisor died."""
@@ -212,6 +215,9 @@ def launch(
         # Every attempt took a sequence number for its attempt_started event: none is above.
         first_attempt=first_seq if resume else 1,
         fault_tolerance=spec.fault_tolerance or "restart",
+        owner=owner,
+        priority=getattr(spec, "priority_value", DEFAULT_PRIORITY),
+        submitted_at=submitted_at,
     )
     options: dict[str, Any] = {
         "name": plan.actor_name,

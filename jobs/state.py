@@ -29,9 +29,12 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.STARTING: frozenset(
         {JobState.QUEUED, JobState.RUNNING, JobState.RECOVERING, *_ENDINGS}
     ),
-    # A job can finish straight from running; succeeded is reachable only from there.
-    JobState.RUNNING: frozenset({JobState.RECOVERING, JobState.SUCCEEDED, *_ENDINGS}),
-    JobState.RECOVERING: frozenset({JobState.RUNNING, *_ENDINGS}),
+    # A job can finish straight from running; succeeded is reachable only from there. Back to
+    # queued when the scheduler preempts it for a job of higher priority.
+    JobState.RUNNING: frozenset(
+        {JobState.RECOVERING, JobState.SUCCEEDED, JobState.QUEUED, *_ENDINGS}
+    ),
+    JobState.RECOVERING: frozenset({JobState.RUNNING, JobState.QUEUED, *_ENDINGS}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),

@@ -386,6 +386,8 @@ class JobControl:
                 self.settings.ray_namespace,
                 job.last_seq + 1,
                 resume,
+                job.owner,
+                job.created_at.timestamp(),
             )
             self._handles[job.id] = handle
             return handle

@@ -43,6 +43,10 @@ class InPlaceRunner:
         self.leaving: set[int] = set()
         self.starting = 1  # replicas placed at the attempt's start (they start together)
         self.stopped = asyncio.Event()
+        # How many replicas the attempt keeps placed (the scheduler's size for the job; else
+        # max_workers), and the call that places one more joiner (set while it runs).
+        self.limit = int(plan["max_workers"])
+        self.grow: asyncio.Event = asyncio.Event()
 
     async def _fence(self, index: int) -> None:
         actor = self.actors.get(index)
@@ -77,13 +81,15 @@ class InPlaceRunner:
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.stopped = asyncio.Event()
+        self.grow = asyncio.Event()
         self.starting = spec.world_size
+        self.limit = int(self.plan["max_workers"] if spec.replicas is None else spec.replicas)
         lighthouse = self._lighthouse()
         config = self.config_for(spec)
         address = lighthouse.address()
         runs: dict[asyncio.Future[Any], int] = {}
         next_index = 0
-        for _ in range(int(self.plan["max_workers"])):
+        for _ in range(max(self.limit, spec.world_size)):
             runs[
                 asyncio.ensure_future(
                     self._place(next_index, config, address, next_index >= spec.world_size)
@@ -95,11 +101,19 @@ class InPlaceRunner:
         finished_at: float | None = None
         try:
             while runs:
+                grow = asyncio.ensure_future(self.grow.wait())
                 done, _ = await asyncio.wait(
-                    {*runs, stop}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
+                    {*runs, stop, grow}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
                 )
+                grow.cancel()
                 if stop in done:
                     return AttemptOutcome()
+                if self.grow.is_set():  # the scheduler gave the job more workers
+                    self.grow.clear()
+                    while self._short():
+                        call = self._place(next_index, config, address, True)
+                        runs[asyncio.ensure_future(call)] = next_index
+                        next_index += 1
                 if finished_at is not None and time.monotonic() - finished_at > FINAL_WRITE_S:
                     return AttemptOutcome("the final checkpoint's writer did not finish")
                 for fut in done:
@@ -113,7 +127,7 @@ class InPlaceRunner:
                         # by a dead raylet can still hold the survivors' all-reduce: killed.
                         await self._fence(index)
                         self.actors.pop(index, None)
-                        if not self.stopped.is_set():
+                        if not self.stopped.is_set() and self._short():
                             call = self._place(next_index, config, address, True)
                             runs[asyncio.ensure_future(call)] = next_index
                             next_index += 1
@@ -129,7 +143,7 @@ class InPlaceRunner:
                         # It left a draining node at a step boundary; its replacement waits
                         # for capacity elsewhere (Ray places nothing on a draining node).
                         self.leaving.discard(index)
-                        if not self.stopped.is_set():
+                        if not self.stopped.is_set() and self._short():
                             call = self._place(next_index, config, address, True)
                             runs[asyncio.ensure_future(call)] = next_index
                             next_index += 1
@@ -140,6 +154,8 @@ class InPlaceRunner:
                         await self._settle(runs)
                         return AttemptOutcome()
                     finished_at = finished_at or time.monotonic()
+            if self.limit == 0:  # every replica left at a step, for the scheduler
+                return AttemptOutcome()
             return AttemptOutcome("every replica was lost")
         finally:
             stop.cancel()
@@ -199,6 +215,21 @@ class InPlaceRunner:
         for index in told:
             self.actors[index].leave.remote(not staying)
         return told
+
+    def _short(self) -> bool:
+        """Fewer replicas placed (or waiting for capacity) than the attempt keeps."""
+        return sum(1 for i in self.actors if i not in self.leaving) < self.limit
+
+    def resize(self, size: int) -> set[int]:
+        """The scheduler's new size for the job: the replicas beyond it leave the quorum at
+        their next step (with a checkpoint of it first when none would stay) and are not
+        replaced; below it, joiners are placed. Returns the replicas told to leave."""
+        self.limit = size
+        staying = sorted(i for i in self.actors if i not in self.leaving)
+        if len(staying) < size:
+            self.grow.set()
+            return set()
+        return self.leave(set(staying[size:]))
 
     def _kill_all(self) -> None:
         for actor in self.actors.values():

@@ -17,6 +17,7 @@ from elastic.checkpoints import CheckpointInfo
 from elastic.events import EventLog
 from elastic.job_loop import JobLoop, Timing
 from elastic.plan import SupervisorPlan
+from elastic.scheduling import Change, Demand, Placement
 from jobs.state import TRANSITIONS
 
 FAST = Timing(
@@ -47,6 +48,8 @@ class FakeCluster:
         self.changed = asyncio.Event()
         self.reserved: list[int] = []
         self.draining: dict[str, int] = {}
+        # The cluster scheduler's decision for the job (None: the job sizes itself).
+        self.target: Placement | None = None
 
     def bump(self) -> None:
         self.version += 1
@@ -81,6 +84,9 @@ class FakeCapacity:
         self.cluster = cluster
         self.released: list[tuple[int, bool]] = []
         self.silent: set[str] = set()  # dead, though the membership does not know it yet
+        self.registered: list[Demand] = []
+        self.unregistered = False
+        self.observed: list[tuple[int, float]] = []
 
     async def snapshot(self, after_version: int = -1, timeout_s: float = 0.0) -> Snapshot:
         c = self.cluster
@@ -88,7 +94,7 @@ class FakeCapacity:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(c.changed.wait(), timeout_s)
         free = {n: {"CPU": cpus} for n, cpus in c.free.items()}
-        return Snapshot(c.version, frozenset(c.alive), free, dict(c.draining))
+        return Snapshot(c.version, frozenset(c.alive), free, dict(c.draining), c.target)
 
     async def reserve(
         self, workers: int, per_worker: Mapping[str, float], timeout_s: float
@@ -111,6 +117,15 @@ class FakeCapacity:
     async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
         return {n for n in nodes if n not in self.cluster.alive or n in self.silent}
 
+    async def register(self, demand: Demand) -> None:
+        self.registered.append(demand)
+
+    async def unregister(self) -> None:
+        self.unregistered = True
+
+    async def observe(self, world_size: int, samples_per_s: float) -> None:
+        self.observed.append((world_size, samples_per_s))
+
 
 class FakeRunner:
     """Each attempt's workers take free nodes when it starts; the test finishes it, or the
@@ -123,6 +138,7 @@ class FakeRunner:
         self.ending: asyncio.Future[AttemptOutcome] | None = None
         self.stops = 0
         self.place = True
+        self.resized: list[int] = []
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.specs.append(spec)
@@ -140,6 +156,13 @@ class FakeRunner:
     def stop(self) -> None:
         self.stops += 1
         self.end(AttemptOutcome())
+
+    def resize(self, size: int) -> set[int]:
+        self.resized.append(size)
+        return set()
+
+    def leave(self, ranks: set[int]) -> set[int]:
+        return set()
 
     def end(self, outcome: AttemptOutcome) -> None:
         if self.ending is not None and not self.ending.done():
@@ -720,6 +743,134 @@ def test_a_drained_node_that_goes_once_its_workers_paused_is_no_loss() -> None:
         assert h.of("worker_lost") == [] and h.of("restored") == []
         assert h.states() == ["starting", "running"]
         h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
+# -- the cluster scheduler's orders ---------------------------------------------------------
+
+
+def decide(cluster: FakeCluster, size: int, change: Change, reason: str, **kw: Any) -> None:
+    cluster.target = Placement("job", size, change, reason, **kw)
+    cluster.bump()
+
+
+def test_the_job_registers_its_demand_and_waits_while_the_scheduler_holds_it_back() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        decide(cluster, 0, Change.WAIT, "waiting: 1 job of higher priority ahead")
+        h = Harness(cluster, owner="alice", priority=100, submitted_at=5.0)
+        h.start()
+        await h.until(lambda: h.of("waiting") != [], "the wait")
+        (demand,) = h.capacity.registered
+        assert (demand.owner, demand.priority, demand.min_workers, demand.max_workers) == (
+            "alice",
+            100,
+            1,
+            3,
+        )
+        assert (demand.submitted_at, demand.resize, dict(demand.per_worker)) == (
+            5.0,
+            "restart",
+            {"CPU": 1.0},
+        )
+        assert h.of("waiting") == [{"reason": "waiting: 1 job of higher priority ahead"}]
+        assert h.runner.specs == []  # three slots are free, and it does not take them
+        decide(cluster, 2, Change.START, "started")
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].world_size == 2  # the scheduler's size, not what is free
+        h.metrics(1, 2, samples_per_s=80.0, world_size=2)
+        await h.until(lambda: h.capacity.observed == [(2, 80.0)], "the throughput told")
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.capacity.unregistered
+
+    run(body)
+
+
+def test_the_scheduler_shrinks_a_running_job_at_its_next_step_without_redoing_one() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        decide(cluster, 3, Change.START, "started")
+        h = Harness(cluster)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].world_size == 3
+        decide(cluster, 1, Change.SHRINK, "shrunk for job hi (priority 100)", for_job="hi")
+        await h.until(lambda: h.loop.drain_pending(1), "the shrink noticed")
+        (told,) = h.of("scheduled")
+        assert told == {
+            "change": "shrink",
+            "from_world": 3,
+            "to_world": 1,
+            "reason": "shrunk for job hi (priority 100)",
+            "for_job": "hi",
+        }
+        h.saved(1, 7)  # rank 0 pauses at its next step, with a checkpoint of it
+        assert h.loop.should_pause(1, 7)
+        h.runner.end(AttemptOutcome())
+        spec = await h.attempt(2)
+        assert (spec.world_size, spec.resume_path) == (1, "/c/step_7")
+        await h.workers_start(2, step=8)
+        (resized,) = h.of("resized")
+        assert (resized["from_world"], resized["to_world"], resized["steps_redone"]) == (3, 1, 0)
+        assert (resized["reason"], resized["for_job"]) == ("shrunk for job hi (priority 100)", "hi")
+        assert h.of("restored") == []
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["starting", "running", "succeeded"]
+
+    run(body)
+
+
+def test_a_preempted_job_goes_back_to_the_queue_and_resumes_from_its_pause() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(2)
+        decide(cluster, 2, Change.START, "started")
+        h = Harness(cluster, min_workers=2)
+        h.start()
+        await h.workers_start(1, step=1)
+        why = "preempted for job hi (priority 100)"
+        decide(cluster, 0, Change.PREEMPT, why, for_job="hi")
+        await h.until(lambda: h.loop.drain_pending(1), "the preemption noticed")
+        h.saved(1, 4)
+        assert h.loop.should_pause(1, 4)
+        h.runner.end(AttemptOutcome())
+        await h.until(lambda: h.loop.state == "queued", "back in the queue")
+        assert h.of("state")[-1]["reason"] == why
+        await asyncio.sleep(0.05)
+        assert len(h.runner.specs) == 1  # it waits: the two free slots are not its own
+        decide(cluster, 2, Change.START, "started")
+        spec = await h.attempt(2)
+        assert (spec.world_size, spec.resume_path) == (2, "/c/step_4")
+        await h.workers_start(2, step=5)
+        assert [d["checkpoint_step"] for d in h.of("restored")] == [4]
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["starting", "running", "queued", "starting", "running", "succeeded"]
+
+    run(body)
+
+
+def test_in_place_the_scheduler_resizes_the_running_replicas() -> None:
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        decide(cluster, 2, Change.START, "started")
+        h = Harness(cluster, fault_tolerance="in_place")
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].replicas == 2
+        decide(cluster, 3, Change.GROW, "grew into idle capacity")
+        await h.until(lambda: h.runner.resized == [3], "the grow told")
+        decide(cluster, 1, Change.SHRINK, "shrunk for job hi (priority 100)", for_job="hi")
+        await h.until(lambda: h.runner.resized == [3, 1], "the shrink told")
+        assert [(d["change"], d["from_world"], d["to_world"]) for d in h.of("scheduled")] == [
+            ("grow", 2, 3),
+            ("shrink", 3, 1),
+        ]
+        assert len(h.runner.specs) == 1  # no restart
+        h.runner.end(AttemptOutcome())
         await h.finish()
 
     run(body)

@@ -1,0 +1,126 @@
+"""The cluster scheduler's books: every job that asked for workers, the owners' quotas, and
+the decision in force for each job. The shared actor (``elastic/capacity.py``) keeps one and
+asks it to plan again on every change; it holds no Ray and no clock, so the books are
+unit-tested like the policy (``elastic/scheduling.py``) they apply.
+
+A decision is booked the moment it is made: the workers a job is told to start with are
+counted as its own before it starts, so no other job is told it may take them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from elastic.scheduling import (
+    Demand,
+    JobRecord,
+    Knobs,
+    Placement,
+    Quota,
+    plan,
+    queue,
+)
+
+DEFAULT_OWNER = "*"  # the quota of an owner the service named no quota for
+
+
+class SchedulerBook:
+    def __init__(self, knobs: Knobs | None = None) -> None:
+        self.knobs = knobs or Knobs()
+        self.jobs: dict[str, JobRecord] = {}
+        self.quotas: dict[str, Quota] = {}
+        # The decision in force for each job: the last one that changed its size, so that a
+        # supervisor that looks late still learns why (a later plan says only "keep").
+        self.decisions: dict[str, Placement] = {}
+        self.placements: dict[str, Placement] = {}
+
+    def register(self, demand: Demand, now: float) -> None:
+        """A job asks for workers (again, when its supervisor was re-created: what was
+        measured of it is kept)."""
+        old = self.jobs.get(demand.job_id)
+        if old is None:
+            self.jobs[demand.job_id] = JobRecord(demand, 0, now)
+        else:
+            old.demand = demand
+
+    def unregister(self, job_id: str) -> bool:
+        self.decisions.pop(job_id, None)
+        self.placements.pop(job_id, None)
+        return self.jobs.pop(job_id, None) is not None
+
+    def observe(self, job_id: str, world_size: int, samples_per_s: float) -> None:
+        record = self.jobs.get(job_id)
+        if record is not None and world_size > 0 and samples_per_s > 0:
+            record.throughput[world_size] = samples_per_s
+
+    def set_quotas(self, quotas: Mapping[str, Mapping[str, float | None]]) -> None:
+        self.quotas = {
+            owner: Quota(
+                workers=None if q.get("workers") is None else int(q["workers"] or 0),
+                gpus=q.get("gpus"),
+            )
+            for owner, q in quotas.items()
+        }
+
+    def replan(self, nodes: Sequence[Mapping[str, float]], now: float) -> bool:
+        """Decide every job's size on these nodes (alive, not draining; their total
+        resources). True when any job's decision changed."""
+        if not self.jobs:
+            self.placements = {}
+            return False
+        placements = plan(nodes, list(self.jobs.values()), self._quotas_by_owner(), now, self.knobs)
+        changed = False
+        for job_id, placement in placements.items():
+            record = self.jobs[job_id]
+            if placement.size != record.size:
+                record.size, record.changed_at = placement.size, now
+                self.decisions[job_id] = placement
+                changed = True
+            elif job_id not in self.decisions or (
+                placement.size == 0 and placement.reason != self.decisions[job_id].reason
+            ):
+                # A waiting job's reason (its place in the queue) is news for it too.
+                self.decisions[job_id] = placement
+                changed = True
+        self.placements = placements
+        return changed
+
+    def target(self, job_id: str) -> Placement | None:
+        """The size this job should have, and why; None for a job that never registered."""
+        return self.decisions.get(job_id)
+
+    def view(self) -> dict[str, Any]:
+        """What ``GET /v1/queue`` shows (the format of ``MembershipWatcher.queue``)."""
+        waiting = queue(list(self.jobs.values()), self.placements)
+        running = [
+            {
+                "job_id": r.demand.job_id,
+                "owner": r.demand.owner,
+                "priority": r.demand.priority,
+                "size": r.size,
+                "borrowed": self.placements[r.demand.job_id].borrowed
+                if r.demand.job_id in self.placements
+                else 0,
+                "min_workers": r.demand.min_workers,
+                "max_workers": r.demand.max_workers,
+            }
+            for r in self.jobs.values()
+            if r.size > 0
+        ]
+        return {
+            "queue": [asdict(e) for e in waiting],
+            "running": sorted(running, key=lambda r: (-r["priority"], r["job_id"])),
+            "quotas": {o: asdict(q) for o, q in self.quotas.items()},
+        }
+
+    def _quotas_by_owner(self) -> dict[str, Quota]:
+        default = self.quotas.get(DEFAULT_OWNER)
+        quotas = {}
+        for record in self.jobs.values():
+            owner = record.demand.owner
+            quota = self.quotas.get(owner, default)
+            if quota is not None:
+                quotas[owner] = quota
+        return quotas
