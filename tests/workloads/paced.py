@@ -1,0 +1,35 @@
+"""The image-classification workload with a step that takes a set time: ``step_s`` divided
+by the world size when ``scales`` is true (a job that speeds up with workers), else
+``step_s`` at any size (one that does not). The scheduler's sharing is tested on them."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic.loop import TrainContext
+from jobs.workloads.image_classification import build_datasets, build_model
+from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
+
+
+def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
+    raw = dict(config["hyperparameters"])
+    step_s, scales = float(raw.pop("step_s")), bool(raw.pop("scales"))
+    hp = ImageClassificationHyperparameters.model_validate(raw)
+    train, _ = build_datasets(hp)
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    model = ctx.prepare_model(build_model(hp))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=hp.learning_rate))
+    for batch in ctx.batches(
+        train,
+        hp.global_batch_size,
+        epochs=hp.epochs,
+        max_steps=hp.max_steps,
+        seed=hp.seed,
+        report_every_steps=hp.report_every_steps,
+    ):
+        time.sleep(step_s / ctx.world_size if scales else step_s)
+        ctx.train_step(batch, criterion)
