@@ -316,8 +316,7 @@ def test_workers_and_gpus_are_quotas_a_job_waits_for_not_refusals() -> None:
     assert (err.value.status, err.value.extensions["limit"], err.value.detail) == (
         422,
         "max_gpus",
-        "scaling.min_workers: the job needs 4 GPUs at min_workers, over bob's limit "
-        "max_gpus of 2",
+        "scaling.min_workers: the job needs 4 GPUs at min_workers, over bob's limit max_gpus of 2",
     )
 
 

@@ -7,7 +7,6 @@ from pydantic import ValidationError
 from jobs.spec import JobSpec, priority_value
 from tests.conftest import small_job
 
-
 PRIORITY_MESSAGE = "must be one of low, normal, high or an integer from 0 to 1000"
 
 
