@@ -390,6 +390,7 @@ def test_the_cluster_page_shows_the_queue_who_holds_what_and_the_quotas(
     ).json()
     go(page, "#/cluster")
     expect(page.get_by_role("heading", name="Queue")).to_be_visible()
+    expect(page.locator("#nodes-table tbody tr")).to_have_count(4, timeout=30_000)
 
     def shown_as_answered() -> bool:
         q = api.get("/v1/queue").json()
