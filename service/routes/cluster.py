@@ -76,7 +76,10 @@ async def get_cluster(services: ServicesDep, caller: CallerDep) -> ClusterOut:
     "priority and sizes, so that they know where they stand, but the job, owner, state and "
     "reason of their own entries only (`visible`); of the quotas, their own and the default "
     "('*'). The scheduler decides the sizes; this reads what it holds now.",
-    responses=PROBLEM_RESPONSES,
+    responses={
+        **PROBLEM_RESPONSES,
+        503: {**PROBLEM_RESPONSES[401], "description": "The scheduler does not answer"},
+    },
 )
 async def get_queue(services: ServicesDep, caller: CallerDep) -> QueueOut:
     try:
