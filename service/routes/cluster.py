@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends
 from jobs import cluster, queue
 from service.auth import Caller
 from service.deps import CallerDep, ServicesDep, require_token
-from service.problems import PROBLEM_RESPONSES, Problem
+from service.problems import PROBLEM_RESPONSES, Problem, documented_problem
 from service.schemas import (
     ClusterJob,
     ClusterNode,
@@ -24,7 +24,7 @@ from service.schemas import (
     Quota,
     RunningEntry,
 )
-from service.store import JobRow
+from service.store import JobRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ async def get_cluster(services: ServicesDep, caller: CallerDep) -> ClusterOut:
     "('*'). The scheduler decides the sizes; this reads what it holds now.",
     responses={
         **PROBLEM_RESPONSES,
-        503: {**PROBLEM_RESPONSES[401], "description": "The scheduler does not answer"},
+        503: documented_problem("The scheduler does not answer"),
     },
 )
 async def get_queue(services: ServicesDep, caller: CallerDep) -> QueueOut:
@@ -94,7 +94,7 @@ async def get_queue(services: ServicesDep, caller: CallerDep) -> QueueOut:
     return visible_queue(view, caller, rows)
 
 
-def _rows(store: Any, ids: list[str]) -> dict[str, JobRow]:
+def _rows(store: Store, ids: list[str]) -> dict[str, JobRow]:
     """The store's rows of the jobs the scheduler names: the active ones in one query, any
     other (ended since the scheduler last heard) one by one."""
     rows = {j.id: j for j in store.active_jobs()}
@@ -112,12 +112,12 @@ def visible_queue(view: Mapping[str, Any], caller: Caller, rows: Mapping[str, Jo
     names jobs and owners: "waiting: alice's quota of 4 workers is in use")."""
 
     def facts(entry: Mapping[str, Any]) -> dict[str, Any]:
-        mine = caller.may_see(str(entry["owner"]))
-        row = rows.get(str(entry["job_id"])) if mine else None
+        visible = caller.may_see(str(entry["owner"]))
+        row = rows.get(str(entry["job_id"])) if visible else None
         return {
-            "visible": mine,
-            "job_id": entry["job_id"] if mine else None,
-            "owner": entry["owner"] if mine else None,
+            "visible": visible,
+            "job_id": entry["job_id"] if visible else None,
+            "owner": entry["owner"] if visible else None,
             "name": row.name if row else None,
             "state": row.state if row else None,
         }

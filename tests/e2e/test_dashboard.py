@@ -169,7 +169,7 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
     page.unroute_all()
     go(page, "#/submit")  # and back: the list is read again, with the final step
     go(page, "#/jobs")
-    expect(row.locator("td").nth(3)).to_have_text("30 / 30")  # the Step column
+    expect(row.locator("[data-label=Step]")).to_have_text("30 / 30")
     (listed,) = [j for j in api.get("/v1/jobs").json()["items"] if j["name"] == "dash-demo"]
     assert "spec" not in listed  # a page of the list carries the table's columns only
     assert (listed["min_workers"], listed["max_workers"]) == (1, 1)
