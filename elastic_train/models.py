@@ -33,6 +33,7 @@ class JobInfo(_Answer):
     world_size: int
     min_workers: int | None = None
     max_workers: int | None = None
+    priority: int | None = None  # the spec's, as a number (None from an older service)
     step: int
     total_steps: int | None
     last_loss: float | None

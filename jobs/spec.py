@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -13,7 +13,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
+from elastic.scheduling import DEFAULT_PRIORITY, PRIORITY_CLASSES
 from jobs.validation import field_error, prefixed
 from jobs.workloads import WORKLOADS
 
@@ -22,6 +24,20 @@ ENTRYPOINT_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 # How deeply a custom workload's hyperparameters may nest: far more than any configuration
 # needs, and far less than what breaks serialisation (Python's recursion limit).
 MAX_HYPERPARAMETER_DEPTH = 32
+# The numbers a job's priority may be: the named classes sit inside, so that a job can be
+# put just above or below one of them (51: ahead of every "normal" job).
+MIN_PRIORITY, MAX_PRIORITY = 0, 1000
+PriorityClass = Literal["low", "normal", "high"]
+
+
+def priority_value(priority: int | str | None) -> int:
+    """The number of a priority as a spec gives it (a class name or a number); a spec stored
+    before priorities existed has none, and ran as "normal"."""
+    if priority is None:
+        return DEFAULT_PRIORITY
+    if isinstance(priority, str):
+        return PRIORITY_CLASSES[priority]
+    return int(priority)
 
 
 def nesting_depth(value: Any) -> int:
@@ -193,6 +209,17 @@ class JobSpec(BaseModel):
         "Left out: in_place where the job's options allow it, restart otherwise; the job's "
         "spec then says which it got.",
     )
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] | PriorityClass = Field(
+        "normal",
+        description="Which jobs the scheduler serves first: low (0), normal (50), high (100), "
+        f"or a number from {MIN_PRIORITY} to {MAX_PRIORITY}. Only an admin may submit a job "
+        "above normal.",
+    )
+
+    @property
+    def priority_value(self) -> int:
+        """The priority as the scheduler orders jobs by it (a class name as its number)."""
+        return priority_value(self.priority)
 
     @property
     def is_custom(self) -> bool:
@@ -227,6 +254,22 @@ class JobSpec(BaseModel):
             "hyperparameters": self.hyperparameters,
             "distributed": self.distributed.model_dump(),
         }
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _one_priority(cls, value: Any) -> Any:
+        # One message for every wrong value, not one per member of the union (a number's
+        # range and the names' list), and no bool or "100" taken for a number.
+        if isinstance(value, bool) or not (
+            (isinstance(value, int) and MIN_PRIORITY <= value <= MAX_PRIORITY)
+            or (isinstance(value, str) and value in PRIORITY_CLASSES)
+        ):
+            raise PydanticCustomError(
+                "priority",
+                f"must be one of {', '.join(PRIORITY_CLASSES)} or an integer from "
+                f"{MIN_PRIORITY} to {MAX_PRIORITY}",
+            )
+        return value
 
     @field_validator("hyperparameters")
     @classmethod

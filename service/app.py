@@ -103,6 +103,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     _reclaim_sigterm()
     services.control = JobControl(settings, services.store, services.hub)
+    await _push_quotas(services.control)
     services.control.start()
     _build_middleware_stack(app)
     try:
@@ -121,6 +122,15 @@ def _warm_up(services: deps.Services) -> None:
             log.warning("warm-up: this Ray's internals differ; the first launch exports")
     except Exception:
         log.warning("warm-up: exporting the supervisor's class failed", exc_info=True)
+
+
+async def _push_quotas(control: JobControl) -> None:
+    """The scheduler knows every user's quota before the first job is submitted; if it cannot
+    be reached now, the service starts anyway and the control's re-push tries again."""
+    try:
+        await control.push_quotas()
+    except Exception:
+        log.error("start-up: pushing the quotas to the scheduler failed", exc_info=True)
 
 
 def _build_middleware_stack(app: FastAPI) -> None:

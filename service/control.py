@@ -16,7 +16,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from jobs import cluster, isolation, launcher, memory
+from jobs import cluster, isolation, launcher, memory, queue
 from jobs.spec import JobSpec
 from jobs.state import JobState
 from jobs.workloads.data_paths import DataAccess, PathRefused
@@ -51,6 +51,9 @@ LAUNCH_READY_TIMEOUT_S = 30.0
 # A key reserved this long without a job belongs to a submission that died with the
 # process (a real one takes seconds): a retry may take it over.
 IDEMPOTENCY_STALE_S = 120.0
+# How often the quotas are pushed to the scheduler again although none changed: a scheduler
+# re-created after its death (its node lost, killed by hand) starts with none.
+QUOTAS_REPUSH_S = 30.0
 
 
 class JobControl:
@@ -70,6 +73,9 @@ class JobControl:
         self._tasks: list[asyncio.Task[None]] = []
         # The nodes' totals for the fit and memory checks, refreshed in the background.
         self.cluster = cluster.ResourceView()
+        # One push of the quotas at a time, each reading the store inside it: the last push
+        # carries the latest limits, whichever order two admins' changes came in.
+        self._quotas_lock = asyncio.Lock()
 
     # -- commands -----------------------------------------------------------------------
 
@@ -224,6 +230,24 @@ class JobControl:
         await self.sync(job_id)
         return await asyncio.to_thread(self._get, job_id)
 
+    async def push_quotas(self) -> None:
+        """Tell the scheduler every user's quota (workers, GPUs) as the store has them now."""
+        async with self._quotas_lock:
+            overrides = await asyncio.to_thread(self.store.all_user_limits)
+            await queue.push_quotas(
+                self.settings.ray_namespace, quotas.scheduler_quotas(self.settings, overrides)
+            )
+
+    async def _keep_quotas_pushed(self) -> None:
+        while True:
+            await asyncio.sleep(QUOTAS_REPUSH_S)
+            try:
+                await self.push_quotas()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("pushing the quotas to the scheduler failed: %s", e)
+
     # -- the pump -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -232,6 +256,7 @@ class JobControl:
             loop.create_task(self._run()),
             loop.create_task(self._launch_queued()),
             loop.create_task(self.cluster.keep_fresh()),
+            loop.create_task(self._keep_quotas_pushed()),
         ]
 
     async def stop(self) -> None:

@@ -51,6 +51,11 @@ def _described(description: str) -> dict[str, Any]:
     }
 
 
+def documented_problem(description: str) -> dict[str, Any]:
+    """An OpenAPI response of one route's own (``responses={status: ...}``): a problem."""
+    return _described(description)
+
+
 # The errors any authenticated route may answer, documented once for the OpenAPI schema.
 PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _described("A malformed request"),

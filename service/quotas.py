@@ -1,7 +1,9 @@
 """Limits per user: how many jobs, workers, CPUs and GPUs a user's active jobs may hold
 together, and how long one job may run. The service's settings give the defaults; an admin
-sets them per user (``PUT /v1/users/{name}/limits``). A job that could never be admitted
-under them is a 422; one that must wait for the user's other jobs to end is a 429."""
+sets them per user (``PUT /v1/users/{name}/limits``). Workers and GPUs are the scheduler's
+quotas (a job over them waits in the queue); the others are checked at submission: a job
+that could never be admitted under them is a 422, one that must wait for the user's other
+jobs to end is a 429."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from jobs.spec import JobSpec
+from jobs.spec import JobSpec, priority_value
 from service.problems import Problem
 from service.settings import Settings
 
@@ -35,6 +37,10 @@ class UserLimits:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def quota(self) -> dict[str, float | None]:
+        """The scheduler's quota of these limits: workers and GPUs held at once."""
+        return {"workers": self.max_workers, "gpus": self.max_gpus}
 
 
 @dataclass(frozen=True)
@@ -74,32 +80,31 @@ class Usage:
         )
 
 
-# limit -> (what it counts in Usage, the spec field that asks for it, a name for people)
-_TOTALS = (
-    ("max_workers", "workers", "scaling.max_workers", "workers"),
-    ("max_cpus", "cpus", "scaling.cpus_per_worker", "CPUs"),
-    ("max_gpus", "gpus", "scaling.gpus_per_worker", "GPUs"),
-)
-
-
 def check(user: str, limits: UserLimits, held: Usage, spec: JobSpec) -> None:
     """Refuse ``spec`` for ``user``, who holds ``held`` already, when a limit says so: first
-    what the job could never get (422), then what it must wait for (429)."""
-    wants = Usage.of(spec)
-    for limit, counted, field, noun in _TOTALS:
-        cap, need = getattr(limits, limit), getattr(wants, counted)
+    what the job could never get (422), then what it must wait for (429).
+
+    ``max_workers`` and ``max_gpus`` are the scheduler's quotas, not admission limits: a
+    job over them is accepted and waits in ``queued`` (or runs on capacity the scheduler
+    lends), so they refuse only a job whose ``min_workers`` alone is over them. ``max_cpus``
+    has no counterpart in the scheduler's quotas (workers and GPUs), so it still refuses here,
+    counted at max_workers; ``max_active_jobs`` bounds what one user puts in the queue."""
+    for limit, need, field in (
+        ("max_workers", spec.scaling.min_workers, "scaling.min_workers"),
+        (
+            "max_gpus",
+            spec.scaling.min_workers * spec.scaling.gpus_per_worker,
+            "scaling.min_workers",
+        ),
+    ):
+        cap = getattr(limits, limit)
         if cap is not None and need > cap:
-            message = (
-                f"the job holds up to {need:g} {noun} at max_workers, over {user}'s limit "
-                f"{limit} of {cap:g}"
-            )
-            raise Problem(
-                422,
-                "Over a user limit",
-                f"{field}: {message}",
-                errors=[{"field": field, "message": message}],
-                limit=limit,
-            )
+            noun = "workers" if limit == "max_workers" else "GPUs"
+            _never(user, limit, field, cap, f"the job needs {need:g} {noun} at min_workers")
+    wants = Usage.of(spec)
+    if limits.max_cpus is not None and wants.cpus > limits.max_cpus:
+        what = f"the job holds up to {wants.cpus:g} CPUs at max_workers"
+        _never(user, "max_cpus", "scaling.cpus_per_worker", limits.max_cpus, what)
     if held.jobs + 1 > limits.max_active_jobs:
         raise Problem(
             429,
@@ -108,13 +113,55 @@ def check(user: str, limits: UserLimits, held: Usage, spec: JobSpec) -> None:
             f"allowed; submit this one when one ends",
             limit="max_active_jobs",
         )
-    for limit, counted, _, noun in _TOTALS:
-        cap, need = getattr(limits, limit), getattr(wants, counted)
-        if cap is not None and getattr(held, counted) + need > cap:
-            raise Problem(
-                429,
-                "User limit reached",
-                f"{limit}: {user}'s active jobs hold {getattr(held, counted):g} of {cap:g} "
-                f"{noun}, and this job needs up to {need:g}; submit it when one ends",
-                limit=limit,
-            )
+    if limits.max_cpus is not None and held.cpus + wants.cpus > limits.max_cpus:
+        raise Problem(
+            429,
+            "User limit reached",
+            f"max_cpus: {user}'s active jobs hold {held.cpus:g} of {limits.max_cpus:g} CPUs, "
+            f"and this job needs up to {wants.cpus:g}; submit it when one ends",
+            limit="max_cpus",
+        )
+
+
+def _never(user: str, limit: str, field: str, cap: float, what: str) -> None:
+    message = f"{what}, over {user}'s limit {limit} of {cap:g}"
+    raise Problem(
+        422,
+        "Over a user limit",
+        f"{field}: {message}",
+        errors=[{"field": field, "message": message}],
+        limit=limit,
+    )
+
+
+# The highest priority an ordinary user may give a job.
+USER_MAX_PRIORITY = priority_value("normal")
+
+
+def check_priority(user: str, is_admin: bool, spec: JobSpec) -> None:
+    """Only an admin may put a job above "normal": a priority above it preempts other
+    users' jobs, which is the admins' call, not each user's."""
+    if is_admin or spec.priority_value <= USER_MAX_PRIORITY:
+        return
+    message = (
+        f"{spec.priority!r} is above normal ({USER_MAX_PRIORITY}); only an admin may submit "
+        "a job above normal"
+    )
+    raise Problem(
+        403,
+        "Priority not allowed",
+        f"priority: {message}",
+        errors=[{"field": "priority", "message": message}],
+        limit="priority",
+    )
+
+
+def scheduler_quotas(
+    settings: Settings, overrides: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, float | None]]:
+    """What the scheduler is told (``set_quotas``): each user with limits set, and the
+    default under "*" for every owner not named."""
+    quotas = {"*": UserLimits.of(settings).quota()}
+    for user, limits in sorted(overrides.items()):
+        quotas[user] = UserLimits.of(settings, limits).quota()
+    return quotas

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from jobs.spec import priority_value
 from jobs.state import JobState
 
 
@@ -62,6 +63,9 @@ class JobSummary(BaseModel):
     world_size: int
     min_workers: int
     max_workers: int
+    # The spec's priority as a number (a class name as its number; none, in a job stored
+    # before priorities: normal's).
+    priority: Annotated[int, BeforeValidator(priority_value)]
     step: int
     total_steps: int | None
     last_loss: float | None
@@ -203,9 +207,14 @@ class Limits(BaseModel):
     """A user's limits: their active jobs together, and each job's running time."""
 
     max_active_jobs: int = Field(description="Jobs queued or running at once.")
-    max_workers: int | None = Field(description="Workers (at max_workers); null: no limit.")
-    max_cpus: float | None = Field(description="CPUs; null: no limit.")
-    max_gpus: int | None = Field(description="GPUs; null: no limit.")
+    max_workers: int | None = Field(
+        description="Quota: workers held at once; a job past it waits (or borrows idle "
+        "capacity). null: no limit."
+    )
+    max_cpus: float | None = Field(description="CPUs (at max_workers); null: no limit.")
+    max_gpus: int | None = Field(
+        description="Quota: GPUs held at once, as max_workers; null: no limit."
+    )
     max_wall_time_s: float | None = Field(
         description="Seconds one job may run before it is cancelled; null: no limit."
     )
@@ -264,3 +273,53 @@ class ClusterJob(BaseModel):
 class ClusterOut(BaseModel):
     nodes: list[ClusterNode]
     jobs: list[ClusterJob]
+
+
+class QueueEntry(BaseModel):
+    """A waiting job: where it stands and why it waits. Another user's entry shows its place
+    and priority only (``visible`` false, the rest null), as ``/v1/cluster`` names no other
+    user's jobs."""
+
+    position: int = Field(description="1: the next job to start.")
+    priority: int
+    visible: bool = Field(
+        description="Whether the caller may see the job: their own (every job, for an admin)."
+    )
+    job_id: str | None
+    name: str | None
+    owner: str | None
+    state: JobState | None = Field(description="The job's state in the store.")
+    reason: str | None = Field(description="Why it waits, as the scheduler says.")
+    expected_start_s: float | None = Field(
+        description="Seconds from now until it is expected to start, when knowable."
+    )
+
+
+class RunningEntry(BaseModel):
+    """A job that holds workers, and how many of them are borrowed (beyond its owner's
+    quota: taken back first). Another user's shows its sizes and priority only."""
+
+    priority: int
+    visible: bool
+    job_id: str | None
+    name: str | None
+    owner: str | None
+    state: JobState | None
+    size: int = Field(description="Workers it holds now.")
+    borrowed: int = Field(description="Of those, the workers beyond its owner's quota.")
+    min_workers: int
+    max_workers: int
+
+
+class Quota(BaseModel):
+    workers: int | None = Field(description="Workers held at once within quota; null: no limit.")
+    gpus: float | None = Field(description="GPUs held at once within quota; null: no limit.")
+
+
+class QueueOut(BaseModel):
+    queue: list[QueueEntry] = Field(description="The waiting jobs, in the order they start.")
+    running: list[RunningEntry]
+    quotas: dict[str, Quota] = Field(
+        description="Owner -> quota; '*' is what an owner not named gets. An admin sees "
+        "every owner's; a user sees their own and '*'."
+    )

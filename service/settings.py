@@ -163,14 +163,17 @@ class Settings(BaseSettings):
     user_max_workers: int | None = Field(
         None,
         ge=1,
-        description="Workers (at their max_workers) a user's active jobs may hold together. "
-        "Unset: no limit.",
+        description="Default quota: workers a user's jobs hold at once within quota (the "
+        "scheduler queues a job past it, or lends it idle capacity). Unset: no limit.",
     )
     user_max_cpus: float | None = Field(
         None, gt=0, description="CPUs a user's active jobs may hold together. Unset: no limit."
     )
     user_max_gpus: int | None = Field(
-        None, ge=0, description="GPUs a user's active jobs may hold together. Unset: no limit."
+        None,
+        ge=0,
+        description="Default quota: GPUs a user's jobs hold at once within quota (as "
+        "user_max_workers). Unset: no limit.",
     )
     user_max_wall_time_s: float | None = Field(
         7 * 24 * 3600.0,

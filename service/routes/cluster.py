@@ -1,14 +1,32 @@
-"""GET /v1/cluster: the nodes, their CPUs/GPUs, and which job holds which workers."""
+"""GET /v1/cluster: the nodes, their CPUs/GPUs, and which job holds which workers; GET
+/v1/queue: the scheduler's queue and who holds what."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from jobs import cluster
+from jobs import cluster, queue
+from service.auth import Caller
 from service.deps import CallerDep, ServicesDep, require_token
-from service.schemas import ClusterJob, ClusterNode, ClusterOut, ClusterWorker
+from service.problems import PROBLEM_RESPONSES, Problem, documented_problem
+from service.schemas import (
+    ClusterJob,
+    ClusterNode,
+    ClusterOut,
+    ClusterWorker,
+    QueueEntry,
+    QueueOut,
+    Quota,
+    RunningEntry,
+)
+from service.store import JobRow, Store
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
 
@@ -46,4 +64,91 @@ async def get_cluster(services: ServicesDep, caller: CallerDep) -> ClusterOut:
     return ClusterOut(
         nodes=[ClusterNode(**n, workers=on_node.get(n["node_id"], [])) for n in nodes],
         jobs=jobs,
+    )
+
+
+@router.get(
+    "/queue",
+    response_model=QueueOut,
+    summary="The scheduler's queue (waiting jobs in the order they start, and why) and the "
+    "jobs holding workers",
+    description="An admin sees every entry in full. A user sees every entry's position, "
+    "priority and sizes, so that they know where they stand, but the job, owner, state and "
+    "reason of their own entries only (`visible`); of the quotas, their own and the default "
+    "('*'). The scheduler decides the sizes; this reads what it holds now.",
+    responses={
+        **PROBLEM_RESPONSES,
+        503: documented_problem("The scheduler does not answer"),
+    },
+)
+async def get_queue(services: ServicesDep, caller: CallerDep) -> QueueOut:
+    try:
+        view = await queue.queue_view(services.settings.ray_namespace)
+    except Exception as e:
+        log.warning("the scheduler's queue could not be read: %s", e)
+        raise Problem(
+            503, "Scheduler not answering", f"the cluster's scheduler did not answer: {e}"
+        ) from e
+    ids = [e["job_id"] for e in [*view.get("queue", []), *view.get("running", [])]]
+    rows = await asyncio.to_thread(_rows, services.store, ids)
+    return visible_queue(view, caller, rows)
+
+
+def _rows(store: Store, ids: list[str]) -> dict[str, JobRow]:
+    """The store's rows of the jobs the scheduler names: the active ones in one query, any
+    other (ended since the scheduler last heard) one by one."""
+    rows = {j.id: j for j in store.active_jobs()}
+    for job_id in set(ids) - set(rows):
+        row = store.get_job(job_id)
+        if row is not None:
+            rows[job_id] = row
+    return rows
+
+
+def visible_queue(view: Mapping[str, Any], caller: Caller, rows: Mapping[str, JobRow]) -> QueueOut:
+    """The scheduler's ``queue()`` as ``caller`` may see it, with each job's name and state
+    from the store. Another user's entry keeps what says where the caller stands (position,
+    priority, sizes) and loses what names it: its job, owner, state and reason (a reason
+    names jobs and owners: "waiting: alice's quota of 4 workers is in use")."""
+
+    def facts(entry: Mapping[str, Any]) -> dict[str, Any]:
+        visible = caller.may_see(str(entry["owner"]))
+        row = rows.get(str(entry["job_id"])) if visible else None
+        return {
+            "visible": visible,
+            "job_id": entry["job_id"] if visible else None,
+            "owner": entry["owner"] if visible else None,
+            "name": row.name if row else None,
+            "state": row.state if row else None,
+        }
+
+    waiting = [
+        QueueEntry(
+            position=e["position"],
+            priority=e["priority"],
+            reason=e.get("reason") if caller.may_see(str(e["owner"])) else None,
+            expected_start_s=e.get("expected_start_s"),
+            **facts(e),
+        )
+        for e in sorted(view.get("queue", []), key=lambda e: int(e["position"]))
+    ]
+    running = [
+        RunningEntry(
+            priority=e["priority"],
+            size=e["size"],
+            borrowed=e.get("borrowed", 0),
+            min_workers=e["min_workers"],
+            max_workers=e["max_workers"],
+            **facts(e),
+        )
+        for e in view.get("running", [])
+    ]
+    quotas = view.get("quotas", {})
+    shown = (
+        quotas if caller.is_admin else {k: v for k, v in quotas.items() if k in (caller.user, "*")}
+    )
+    return QueueOut(
+        queue=waiting,
+        running=running,
+        quotas={owner: Quota(**quota) for owner, quota in shown.items()},
     )

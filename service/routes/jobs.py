@@ -24,7 +24,7 @@ from service.deps import (
     require_token,
 )
 from service.problems import PROBLEM_RESPONSES, Problem
-from service.quotas import UserLimits
+from service.quotas import UserLimits, check_priority
 from service.schemas import (
     CheckpointList,
     EventPage,
@@ -71,7 +71,8 @@ MAX_SEQ = 2**63 - 1
     summary="Submit a training job",
     description="With an `Idempotency-Key` header, a retry with the same key and body "
     "answers 200 with the job the first request made; the same key with another body is "
-    "422, and a retry while the first request is still being processed is 409.",
+    "422, and a retry while the first request is still being processed is 409. A priority "
+    "above normal (50) is an admin's: 403 for anyone else.",
     responses={200: {"model": JobOut, "description": "A replay of an earlier submission"}},
 )
 async def submit_job(
@@ -81,6 +82,7 @@ async def submit_job(
     caller: CallerDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=255)] = None,
 ) -> JobOut:
+    check_priority(caller.user, caller.is_admin, spec)
     job, replayed = await control.submit_once(spec, caller.user, idempotency_key)
     if replayed:
         response.status_code = status.HTTP_200_OK

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, status
 
-from service.deps import Services, ServicesDep, require_admin
+from service.deps import ControlDep, Services, ServicesDep, require_admin
 from service.problems import PROBLEM_RESPONSES, Problem
 from service.quotas import UserLimits
 from service.schemas import (
@@ -22,6 +23,8 @@ from service.schemas import (
     UserList,
     UserOut,
 )
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(
     prefix="/v1",
@@ -118,15 +121,28 @@ async def get_limits(
     "/users/{name}/limits",
     response_model=UserLimitsOut,
     summary="Set a user's limits (admin); one left out or null is the service's default",
-    description="Checked when the user submits a job: over max_active_jobs, or over a "
-    "total that the user's active jobs hold together, is 429; a job that alone needs more "
-    "than a total is 422. A job running longer than max_wall_time_s is cancelled.",
+    description="max_workers and max_gpus are the user's scheduling quotas: a job over them "
+    "is accepted and waits in the queue (or runs on idle capacity the scheduler lends it); "
+    "only a job whose min_workers alone is over them is refused (422). The others are "
+    "checked when the user submits a job: over max_active_jobs, or over the max_cpus that "
+    "the user's active jobs hold together, is 429; a job that alone needs more than max_cpus "
+    "is 422. A job running longer than max_wall_time_s is cancelled. The scheduler gets the "
+    "new quotas at once.",
 )
 async def set_limits(
-    name: Annotated[str, Path(max_length=64)], body: LimitsIn, services: ServicesDep
+    name: Annotated[str, Path(max_length=64)],
+    body: LimitsIn,
+    services: ServicesDep,
+    control: ControlDep,
 ) -> UserLimitsOut:
     await _existing_user(services, name)
     overrides = await asyncio.to_thread(
         services.store.set_user_limits, name, body.model_dump(exclude_none=True)
     )
+    try:
+        await control.push_quotas()
+    except Exception as e:
+        # The store holds the limits (admission reads them there now); the control pushes
+        # them again within QUOTAS_REPUSH_S.
+        log.warning("pushing %s's quotas to the scheduler failed: %s", name, e)
     return _limits_of(services, name, overrides)

@@ -64,6 +64,13 @@ class JobRow(Base):
     def max_workers(self) -> int:
         return int(self.spec["scaling"]["max_workers"])
 
+    @property
+    def priority(self) -> int | str | None:
+        """The spec's priority as submitted (a class name or a number; None before there
+        were priorities)."""
+        value: int | str | None = self.spec.get("priority")
+        return value
+
 
 # What a page of the jobs list carries: the table's columns, the spec's worker bounds read in
 # the database, never the whole spec (decoding 50 specs' JSON a page was most of its time).
@@ -77,6 +84,7 @@ SUMMARY_COLUMNS = (
     JobRow.world_size,
     JobRow.spec["scaling"]["min_workers"].as_integer().label("min_workers"),
     JobRow.spec["scaling"]["max_workers"].as_integer().label("max_workers"),
+    JobRow.spec["priority"].label("priority"),  # a name or a number: the schema reads it
     JobRow.step,
     JobRow.total_steps,
     JobRow.last_loss,

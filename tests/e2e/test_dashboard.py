@@ -14,7 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import TOKEN, ClusterPool, LiveServer, make_settings, small_job, wait_for
+from tests.conftest import (
+    TOKEN,
+    ClusterPool,
+    LiveServer,
+    create_user_token,
+    make_settings,
+    small_job,
+    wait_for,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -161,7 +169,7 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
     page.unroute_all()
     go(page, "#/submit")  # and back: the list is read again, with the final step
     go(page, "#/jobs")
-    expect(row.locator("td").nth(3)).to_have_text("30 / 30")  # the Step column
+    expect(row.locator("[data-label=Step]")).to_have_text("30 / 30")
     (listed,) = [j for j in api.get("/v1/jobs").json()["items"] if j["name"] == "dash-demo"]
     assert "spec" not in listed  # a page of the list carries the table's columns only
     assert (listed["min_workers"], listed["max_workers"]) == (1, 1)
@@ -333,6 +341,106 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
         "running → cancelled: cancelled by the user"
     )
     expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
+
+
+def table_rows(page: Any, table: str) -> list[list[str]]:
+    """Each body row's cells as the user reads them."""
+    return list(
+        page.evaluate(
+            f"[...document.querySelectorAll('#{table} tbody tr')]"
+            ".map((tr) => [...tr.children].map((c) => c.innerText.trim()))"
+        )
+    )
+
+
+def priority_text(priority: int) -> str:
+    names = {0: "low", 50: "normal", 100: "high"}
+    return f"{names[priority]} ({priority})" if priority in names else str(priority)
+
+
+def test_the_cluster_page_shows_the_queue_who_holds_what_and_the_quotas(
+    page: Any, api: httpx.Client, pool: ClusterPool
+) -> None:
+    """A high-priority job on the whole pool and a job that must wait: the queue section's
+    rows are what GET /v1/queue answers (position, job, owner, priority, reason), its holders
+    rows the running jobs' sizes, and the quotas a user's limits and the default."""
+    from playwright.sync_api import expect
+
+    sign_in(page)
+    create_user_token(api, "quota-user")
+    assert api.put("/v1/users/quota-user/limits", json={"max_workers": 2}).status_code == 200
+    spec = small_job(max_steps=1_000_000)
+    big = api.post(
+        "/v1/jobs",
+        json={
+            **spec,
+            "name": "whole-pool",
+            "priority": "high",
+            "scaling": {"min_workers": 3, "max_workers": 3, "cpus_per_worker": 1},
+        },
+    ).json()
+    wait_for(
+        lambda: api.get(f"/v1/jobs/{big['id']}").json()["world_size"] == 3,
+        180,
+        what="the high-priority job on the whole pool",
+    )
+    waits = api.post(
+        "/v1/jobs",
+        json={**spec, "name": "must-wait", "scaling": {"min_workers": 1, "max_workers": 1}},
+    ).json()
+    go(page, "#/cluster")
+    expect(page.get_by_role("heading", name="Queue")).to_be_visible()
+    expect(page.locator("#nodes-table tbody tr")).to_have_count(4, timeout=30_000)
+
+    def shown_as_answered() -> bool:
+        q = api.get("/v1/queue").json()
+        queue = [
+            [
+                str(e["position"]),
+                e["name"],
+                e["owner"],
+                priority_text(e["priority"]),
+                e["reason"] or "\u2013",  # the page's dash for none
+            ]
+            for e in q["queue"]
+        ]
+        holders = [
+            [
+                e["name"],
+                e["owner"],
+                priority_text(e["priority"]),
+                f"{e['size']} / {e['min_workers']}..{e['max_workers']}",
+                str(e["borrowed"]),
+            ]
+            for e in q["running"]
+        ]
+        return table_rows(page, "queue-table") == queue and (
+            table_rows(page, "holders-table") == holders
+        )
+
+    wait_for(shown_as_answered, 30, what="the queue section showing GET /v1/queue's answer")
+    # The waiting job's row, once the scheduler lists it: its link opens its page.
+    for row in page.locator("#queue-table tbody tr").all():
+        assert row.get_attribute("data-job-id") == waits["id"]
+        expect(row.get_by_role("link", name="must-wait")).to_have_attribute(
+            "href", f"#/jobs/{waits['id']}"
+        )
+    expect(page.locator("#queue-empty")).to_be_visible(
+        visible=not page.locator("#queue-table tbody tr").count()
+    )
+    assert table_rows(page, "quotas-table") == [
+        ["everyone else (default)", "no limit", "no limit"],
+        ["quota-user", "2 workers", "no limit"],
+    ]
+    shoot(page, "09-cluster-queue")
+    go(page, "#/jobs")
+    row = page.locator(f"#jobs-table tbody tr[data-job-id='{big['id']}']")
+    expect(row.locator("[data-label=Priority]")).to_have_text("high (100)")
+    expect(
+        page.locator(f"#jobs-table tbody tr[data-job-id='{waits['id']}'] [data-label=Priority]")
+    ).to_have_text("normal (50)")
+    for job in (big, waits):
+        assert api.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
 
 
 def seed_finished_run(live: LiveServer, points: int) -> str:

@@ -331,6 +331,13 @@ def test_refusals_are_typed_errors_naming_the_problem(live: LiveServer) -> None:
             user.request("GET", "/v1/users")
         assert forbidden.value.status == 403
         assert "(403 " in str(forbidden.value)
+        # A priority above normal is an admin's: the spec is valid, the service refuses it.
+        with pytest.raises(Forbidden) as above:
+            user.submit({**small_job(), "priority": "high"})
+        assert [(e.field, e.message) for e in above.value.errors] == [
+            ("priority", "'high' is above normal (50); only an admin may submit a job above normal")
+        ]
+        assert user.jobs() == []
     with Client(live.url, "not-a-token") as stranger, pytest.raises(Unauthorized) as e:
         stranger.jobs()
     assert e.value.status == 401

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from elastic.scheduling import PRIORITY_CLASSES
 from jobs.spec import ENTRYPOINT_PATTERN, JobSpec
 from jobs.workloads import WORKLOADS
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
@@ -108,6 +109,14 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     ),
     "hyperparameters.model": st.text(max_size=12).filter(not_a_model),
     "hyperparameters.unknown_knob": st.integers(),
+    "priority": st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=1001),
+        st.text(max_size=10).filter(lambda s: s not in PRIORITY_CLASSES),
+        st.booleans(),
+        st.floats(allow_nan=False),
+        st.none(),
+    ),
     "surprise": st.integers(),
 }
 

@@ -65,6 +65,7 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
         ("GET", "/v1/events"),
         ("GET", "/v1/me"),
         ("GET", "/v1/cluster"),
+        ("GET", "/v1/queue"),
         ("POST", "/v1/users"),
         ("GET", "/v1/users"),
         ("POST", "/v1/tokens"),

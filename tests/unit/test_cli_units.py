@@ -277,6 +277,13 @@ def test_a_spec_is_checked_before_it_is_sent() -> None:
     with pytest.raises(ValidationError) as e:
         protocol.spec_body(bad)
     assert e.value.errors()[0]["loc"] == ("hyperparameters", "learning_rate")
+    # A job file's priority, as written or set with --set (read as YAML: 7 is a number).
+    for override, value in (("priority=low", "low"), ("priority=7", 7)):
+        body = protocol.spec_body(jobfile.apply_overrides(small_job(), [override]))
+        assert body["priority"] == value
+    with pytest.raises(ValidationError) as e:
+        protocol.spec_body(jobfile.apply_overrides(small_job(), ["priority=urgent"]))
+    assert e.value.errors()[0]["loc"] == ("priority",)
 
 
 def test_the_client_reads_what_the_service_sends() -> None:

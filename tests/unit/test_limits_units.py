@@ -20,7 +20,7 @@ from jobs.memory import GIB, IMAGE_MODELS, estimate
 from jobs.spec import MAX_HYPERPARAMETER_DEPTH, JobSpec, nesting_depth
 from jobs.workloads.data_paths import DataAccess, PathRefused
 from service.problems import Problem
-from service.quotas import Usage, UserLimits, check
+from service.quotas import Usage, UserLimits, check, check_priority, scheduler_quotas
 from service.schemas import downsample
 from service.settings import Settings
 from service.store import Store, job_relative, metric_stride, with_relative_paths
@@ -267,7 +267,7 @@ def _limits(**kw: Any) -> UserLimits:
 
 
 def test_limits_refuse_with_the_limit_named() -> None:
-    one_cpu_job = JobSpec.model_validate(small_job())  # 2 workers of 1 CPU
+    one_cpu_job = JobSpec.model_validate(small_job())  # 1..2 workers of 1 CPU
     check("bob", _limits(), Usage(), one_cpu_job)
     with pytest.raises(Problem) as err:
         check("bob", _limits(), Usage(jobs=2), one_cpu_job)
@@ -276,10 +276,84 @@ def test_limits_refuse_with_the_limit_named() -> None:
         check("bob", _limits(max_cpus=3), Usage(jobs=1, workers=2, cpus=2), one_cpu_job)
     assert (err.value.status, err.value.extensions["limit"]) == (429, "max_cpus")
     with pytest.raises(Problem) as err:
-        check("bob", _limits(max_workers=1), Usage(), one_cpu_job)  # can never fit
-    assert err.value.status == 422 and err.value.extensions["errors"][0]["field"] == (
-        "scaling.max_workers"
+        check("bob", _limits(max_cpus=1), Usage(), one_cpu_job)  # 2 CPUs at max_workers
+    assert (err.value.status, err.value.extensions["errors"]) == (
+        422,
+        [
+            {
+                "field": "scaling.cpus_per_worker",
+                "message": "the job holds up to 2 CPUs at max_workers, over bob's limit "
+                "max_cpus of 1",
+            }
+        ],
     )
+
+
+def _gpu_job(min_workers: int, max_workers: int) -> JobSpec:
+    spec = small_job()
+    spec["scaling"] = {"min_workers": min_workers, "max_workers": max_workers, "gpus_per_worker": 2}
+    return JobSpec.model_validate(spec)
+
+
+def test_workers_and_gpus_are_quotas_a_job_waits_for_not_refusals() -> None:
+    """Over max_workers or max_gpus, held or asked at max_workers, the job is accepted (the
+    scheduler queues it); only a min_workers over the quota, that could never run within it,
+    is refused."""
+    job = _gpu_job(1, 4)  # 1..4 workers of 2 GPUs
+    limits = _limits(max_workers=2, max_gpus=2)
+    check("bob", limits, Usage(), job)
+    check("bob", limits, Usage(jobs=1, workers=2, cpus=2, gpus=4), job)
+    with pytest.raises(Problem) as err:
+        check("bob", limits, Usage(), _gpu_job(3, 4))
+    assert (err.value.status, err.value.extensions["limit"], err.value.detail) == (
+        422,
+        "max_workers",
+        "scaling.min_workers: the job needs 3 workers at min_workers, over bob's limit "
+        "max_workers of 2",
+    )
+    with pytest.raises(Problem) as err:
+        check("bob", limits, Usage(), _gpu_job(2, 4))
+    assert (err.value.status, err.value.extensions["limit"], err.value.detail) == (
+        422,
+        "max_gpus",
+        "scaling.min_workers: the job needs 4 GPUs at min_workers, over bob's limit max_gpus of 2",
+    )
+
+
+def test_only_an_admin_submits_above_normal() -> None:
+    def spec(priority: Any) -> JobSpec:
+        return JobSpec.model_validate({**small_job(), "priority": priority})
+
+    for allowed in ("low", "normal", 50, 0):
+        check_priority("bob", False, spec(allowed))
+    for above in ("high", 51, 1000):
+        check_priority("root", True, spec(above))
+        with pytest.raises(Problem) as err:
+            check_priority("bob", False, spec(above))
+        assert (err.value.status, err.value.extensions["errors"]) == (
+            403,
+            [
+                {
+                    "field": "priority",
+                    "message": f"{above!r} is above normal (50); only an admin may submit a "
+                    "job above normal",
+                }
+            ],
+        )
+
+
+def test_the_scheduler_gets_each_users_quota_and_the_default_under_star() -> None:
+    settings = Settings(user_max_workers=8, user_max_gpus=None)
+    overrides = {
+        "carol": {"max_cpus": 4.0},  # her quota is the default's
+        "bob": {"max_workers": 2, "max_gpus": 1},
+    }
+    assert scheduler_quotas(settings, overrides) == {
+        "*": {"workers": 8, "gpus": None},
+        "bob": {"workers": 2, "gpus": 1},
+        "carol": {"workers": 8, "gpus": None},
+    }
+    assert scheduler_quotas(Settings(), {}) == {"*": {"workers": None, "gpus": None}}
 
 
 def test_limits_set_for_a_user_override_the_defaults() -> None:

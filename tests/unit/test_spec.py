@@ -4,8 +4,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from jobs.spec import JobSpec
+from jobs.spec import JobSpec, priority_value
 from tests.conftest import small_job
+
+PRIORITY_MESSAGE = "must be one of low, normal, high or an integer from 0 to 1000"
 
 
 def errors_of(patch: dict[str, Any]) -> list[tuple[str, str]]:
@@ -131,11 +133,30 @@ def test_gpus_mean_nccl() -> None:
             [("failure.max_restarts", "Input should be greater than or equal to 0")],
         ),
         ({"name": ""}, [("name", "String should have at least 1 character")]),
-        ({"priority": 1}, [("priority", "Extra inputs are not permitted")]),
+        *(
+            ({"priority": bad}, [("priority", PRIORITY_MESSAGE)])
+            for bad in ("urgent", "100", 1001, -1, True, 50.5, None, [100])
+        ),
+        ({"urgency": 1}, [("urgency", "Extra inputs are not permitted")]),
     ],
 )
 def test_each_rejection_names_its_field(patch: dict[str, Any], expected: list) -> None:
     assert errors_of(patch) == expected
+
+
+@pytest.mark.parametrize(
+    "given,number", [("low", 0), ("normal", 50), ("high", 100), (0, 0), (51, 51), (1000, 1000)]
+)
+def test_a_priority_is_a_class_or_a_number_and_kept_as_given(given: Any, number: int) -> None:
+    spec = JobSpec.model_validate({**small_job(), "priority": given})
+    assert (spec.priority, spec.priority_value) == (given, number)
+    assert spec.model_dump(mode="json")["priority"] == given
+
+
+def test_a_job_without_a_priority_is_normal() -> None:
+    spec = JobSpec.model_validate(small_job())
+    assert (spec.priority, spec.priority_value) == ("normal", 50)
+    assert priority_value(None) == 50  # a spec stored before priorities existed
 
 
 def test_a_custom_entrypoint_keeps_free_hyperparameters() -> None:

@@ -79,6 +79,15 @@ export function jobDuration(job) {
   return (end - start) / 1000;
 }
 
+// The spec's named priority classes (jobs/spec.py): a number that is one shows its name.
+const PRIORITY_NAMES = new Map([[0, "low"], [50, "normal"], [100, "high"]]);
+
+export function priorityText(priority) {
+  if (priority == null) return "–";
+  const name = PRIORITY_NAMES.get(priority);
+  return name ? `${name} (${priority})` : String(priority);
+}
+
 export function worldText(job) {
   return `${job.world_size} / ${job.min_workers ?? "?"}..${job.max_workers ?? "?"}`;
 }

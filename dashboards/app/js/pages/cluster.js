@@ -1,8 +1,26 @@
-// Cluster: the Ray nodes with their CPUs/GPUs, and which job holds which workers.
+// Cluster: the Ray nodes with their CPUs/GPUs, which job holds which workers, and the
+// scheduler's queue (GET /v1/queue): who waits, in which order and why, who holds what, and
+// the quotas. Another user's entries show their place and sizes only: the API leaves out
+// whose and which job they are.
 import { api, sleep } from "../api.js";
-import { el, number, plural, stateBadge } from "../format.js";
+import { el, number, plural, priorityText, stateBadge } from "../format.js";
 
 const REFRESH_MS = 3000;
+const QUEUE_COLUMNS = ["Position", "Job", "Owner", "Priority", "Reason"];
+const HOLDER_COLUMNS = ["Job", "Owner", "Priority", "Workers / min..max", "Borrowed"];
+
+// A job the caller may see links to its page; another user's is only "another user's job".
+function jobCell(entry) {
+  if (!entry.visible) return el("span", { class: "muted" }, "another user's job");
+  return el("a", { href: `#/jobs/${entry.job_id}` }, entry.name || entry.job_id);
+}
+
+const limitText = (value, noun) => (value == null ? "no limit" : plural(value, noun));
+
+function cells(columns, values) {
+  return values.map((v, i) => el(i ? "td" : "th", { scope: i ? null : "row",
+    dataset: { label: columns[i] } }, v));
+}
 
 function meter(label, free, total) {
   if (!total) return el("span", { class: "muted" }, "none");
@@ -19,6 +37,16 @@ export function clusterPage(view, { signal }) {
   const jobs = el("tbody");
   const jobsEmpty = el("p", { class: "empty" }, "No job holds workers now.");
   const dead = el("details", { class: "dead-nodes" });
+  const waiting = el("tbody");
+  const waitingEmpty = el("p", { class: "empty", id: "queue-empty" }, "No job waits.");
+  const queueError = el("p", { class: "error", role: "alert" });
+  queueError.hidden = true;
+  const holders = el("tbody");
+  const holdersEmpty = el("p", { class: "empty" }, "No job holds workers in the scheduler's view.");
+  const quotas = el("tbody");
+  const table = (id, columns, body) => el("div", { class: "table-wrap" },
+    el("table", { class: "cards", id },
+      el("thead", {}, el("tr", {}, columns.map((c) => el("th", { scope: "col" }, c)))), body));
   view.append(
     el("h1", {}, "Cluster"), summary,
     el("section", { "aria-labelledby": "nodes-title" },
@@ -32,7 +60,17 @@ export function clusterPage(view, { signal }) {
       el("div", { class: "table-wrap" }, el("table", { class: "placement cards", id: "placement-table" },
         el("thead", {}, el("tr", {}, ["Job", "State", "World size", "Workers (rank → node)"].map(
           (c) => el("th", { scope: "col" }, c)))), jobs)),
-      jobsEmpty));
+      jobsEmpty),
+    el("section", { "aria-labelledby": "queue-title" },
+      el("h2", { id: "queue-title" }, "Queue"),
+      queueError,
+      table("queue-table", QUEUE_COLUMNS, waiting),
+      waitingEmpty,
+      el("h3", { id: "holders-title" }, "Who holds what"),
+      table("holders-table", HOLDER_COLUMNS, holders),
+      holdersEmpty,
+      el("h3", { id: "quotas-title" }, "Quotas"),
+      table("quotas-table", ["Owner", "Workers", "GPUs"], quotas)));
 
   const nodeName = (n) => `${n.address || "?"} · ${n.node_id.slice(0, 8)}`;
 
@@ -72,14 +110,45 @@ export function clusterPage(view, { signal }) {
     jobsEmpty.hidden = c.jobs.length > 0;
   }
 
+  function renderQueue(q) {
+    queueError.hidden = true;
+    const ids = (e) => (e.visible ? { jobId: e.job_id } : {});
+    waiting.replaceChildren(...q.queue.map((e) => el("tr",
+      { dataset: { position: e.position, ...ids(e) } },
+      cells(QUEUE_COLUMNS, [String(e.position), jobCell(e), e.owner ?? "–",
+        priorityText(e.priority), e.reason ?? "–"]))));
+    waitingEmpty.hidden = q.queue.length > 0;
+    holders.replaceChildren(...q.running.map((e) => el("tr", { dataset: ids(e) },
+      cells(HOLDER_COLUMNS, [jobCell(e), e.owner ?? "–", priorityText(e.priority),
+        `${e.size} / ${e.min_workers}..${e.max_workers}`, String(e.borrowed)]))));
+    holdersEmpty.hidden = q.running.length > 0;
+    const owners = Object.keys(q.quotas).sort((a, b) => (a === "*" ? -1 : b === "*" ? 1
+      : a < b ? -1 : 1));
+    quotas.replaceChildren(...owners.map((owner) => el("tr", { dataset: { owner } },
+      cells(["Owner", "Workers", "GPUs"], [owner === "*" ? "everyone else (default)" : owner,
+        limitText(q.quotas[owner].workers, "worker"), limitText(q.quotas[owner].gpus, "GPU")]))));
+  }
+
+  async function refreshQueue() {
+    try {
+      renderQueue(await api("v1/queue", { signal }));
+    } catch (err) {
+      if (signal.aborted) return;
+      queueError.textContent = `Could not read the queue: ${err.message}`;
+      queueError.hidden = false;
+    }
+  }
+
   (async () => {
     while (!signal.aborted) {
+      const queued = refreshQueue(); // its own errors: the nodes still show without it
       try {
         render(await api("v1/cluster", { signal }));
       } catch (err) {
         if (signal.aborted) return;
         summary.textContent = `Could not read the cluster: ${err.message}`;
       }
+      await queued;
       await sleep(REFRESH_MS, signal);
     }
   })();

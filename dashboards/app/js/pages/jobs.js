@@ -1,12 +1,12 @@
 // Jobs: a live table, newest first, filtered by state; rows follow GET /v1/events.
 import { api, follow } from "../api.js";
 import {
-  clock, duration, el, jobDuration, number, progress, rate, stateBadge, STATES, TERMINAL,
-  worldText,
+  clock, duration, el, jobDuration, number, priorityText, progress, rate, stateBadge, STATES,
+  TERMINAL, worldText,
 } from "../format.js";
 
-const COLUMNS = ["Name", "Owner", "State", "Workers now / min..max", "Step", "Last loss",
-  "Samples/s", "Started", "Duration"];
+const COLUMNS = ["Name", "Owner", "State", "Priority", "Workers now / min..max", "Step",
+  "Last loss", "Samples/s", "Started", "Duration"];
 // /v1/events announces state changes and resizes; steps and losses of running jobs are
 // re-read this often while any are shown.
 const ACTIVE_REFRESH_MS = 2000;
@@ -41,6 +41,7 @@ export function jobsPage(view, { signal }) {
       el("a", { href: `#/jobs/${job.id}` }, job.name),
       job.owner,
       stateBadge(job.state),
+      priorityText(job.priority),
       worldText(job),
       progress(job),
       number(job.last_loss),
