@@ -305,7 +305,8 @@ class MembershipWatcher:
     async def set_quotas(self, quotas: dict[str, dict[str, float | None]]) -> None:
         """Owner -> {"workers": n or None, "gpus": n or None}: the service pushes every
         user's quota at start-up and on each change; "*" is the quota of an owner not named
-        (none, when "*" is not given either)."""
+        (none, when "*" is not given either). A new watcher has none until the service's
+        next push (within 30 s)."""
         self.book.set_quotas(quotas)
         self._replan(force=True)
 

@@ -13,7 +13,6 @@ from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
 from elastic import capacity, policy
-from elastic.scheduling import DEFAULT_PRIORITY
 from elastic.supervisor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
@@ -216,7 +215,7 @@ def launch(
         first_attempt=first_seq if resume else 1,
         fault_tolerance=spec.fault_tolerance or "restart",
         owner=owner,
-        priority=getattr(spec, "priority_value", DEFAULT_PRIORITY),
+        priority=spec.priority_value,
         submitted_at=submitted_at,
     )
     options: dict[str, Any] = {
