@@ -424,9 +424,10 @@ class JobControl:
             return None
 
     async def _supervisor_missing(self, job: JobRow) -> None:
-        if job.state == JobState.QUEUED.value:
+        if job.state == JobState.QUEUED.value and job.started_at is None:
             # Submitted, not launched yet: waiting for the launcher, or stored by a process
-            # that stopped before it launched it.
+            # that stopped before it launched it. (A job that ran and was preempted back to
+            # the queue had a supervisor: it is re-created like a running job's.)
             self.request_launch(job.id)
             return
         first = self._missing_since.setdefault(job.id, time.monotonic())

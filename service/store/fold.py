@@ -56,6 +56,8 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
             job.started_at = when
         if target == JobState.RECOVERING:
             job.restarts += 1
+        if target == JobState.QUEUED:  # preempted: it holds no worker until it starts again
+            job.world_size = 0
         if target.is_terminal:
             job.finished_at = when
             job.world_size = 0

@@ -17,7 +17,9 @@ LEGAL = {
     ("running", "succeeded"),
     ("running", "failed"),
     ("running", "cancelled"),
+    ("running", "queued"),  # preempted by the scheduler for a job of higher priority
     ("recovering", "running"),
+    ("recovering", "queued"),  # held back by the scheduler while it recovers
     ("recovering", "failed"),
     ("recovering", "cancelled"),
 }
