@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.policy import workers_that_fit
 from elastic.scheduler_book import SchedulerBook
-from elastic.scheduling import Demand, Placement
+from elastic.scheduling import Demand, Knobs, Placement
 
 log = logging.getLogger(__name__)
 
@@ -302,12 +302,16 @@ class MembershipWatcher:
     async def observe(self, job_id: str, world_size: int, samples_per_s: float) -> None:
         self.book.observe(job_id, world_size, samples_per_s)
 
-    async def set_quotas(self, quotas: dict[str, dict[str, float | None]]) -> None:
+    async def set_quotas(
+        self, quotas: dict[str, dict[str, float | None]], knobs: Knobs | None = None
+    ) -> None:
         """Owner -> {"workers": n or None, "gpus": n or None}: the service pushes every
         user's quota at start-up and on each change; "*" is the quota of an owner not named
         (none, when "*" is not given either). A new watcher has none until the service's
         next push (within 30 s)."""
         self.book.set_quotas(quotas)
+        if knobs is not None:
+            self.book.knobs = knobs
         self._replan(force=True)
 
     async def queue(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from elastic.capacity import shared_watcher
+from elastic.scheduling import Knobs
 
 # The scheduler answers from memory: longer than this means it is not running (its node is
 # being declared dead, or it is being re-created), and the caller says so rather than hang.
@@ -33,11 +34,16 @@ async def _call(namespace: str, method: str, *args: Any, timeout_s: float) -> An
     raise AssertionError("unreachable")
 
 
-async def push_quotas(namespace: str, quotas: Quotas, timeout_s: float = CALL_TIMEOUT_S) -> None:
+async def push_quotas(
+    namespace: str,
+    quotas: Quotas,
+    knobs: Knobs | None = None,
+    timeout_s: float = CALL_TIMEOUT_S,
+) -> None:
     """Replace the scheduler's quotas: owner -> {"workers": n or None, "gpus": n or None},
-    the default under "*" (what an owner not named gets)."""
+    the default under "*" (what an owner not named gets); and its knobs, when given."""
     body = {owner: dict(quota) for owner, quota in quotas.items()}
-    await _call(namespace, "set_quotas", body, timeout_s=timeout_s)
+    await _call(namespace, "set_quotas", body, knobs, timeout_s=timeout_s)
 
 
 async def queue_view(namespace: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:

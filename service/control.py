@@ -235,7 +235,12 @@ class JobControl:
         async with self._quotas_lock:
             overrides = await asyncio.to_thread(self.store.all_user_limits)
             await queue.push_quotas(
-                self.settings.ray_namespace, quotas.scheduler_quotas(self.settings, overrides)
+                self.settings.ray_namespace,
+                quotas.scheduler_quotas(self.settings, overrides),
+                queue.Knobs(
+                    dwell_s=self.settings.scheduler_dwell_s,
+                    starvation_s=self.settings.scheduler_starvation_s,
+                ),
             )
 
     async def _keep_quotas_pushed(self) -> None:

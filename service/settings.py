@@ -175,6 +175,19 @@ class Settings(BaseSettings):
         description="Default quota: GPUs a user's jobs hold at once within quota (as "
         "user_max_workers). Unset: no limit.",
     )
+    scheduler_dwell_s: float = Field(
+        60.0,
+        gt=0,
+        description="The scheduler resizes a job for throughput (spare workers to the job "
+        "that gains most from them) at most once in this many seconds; resizes for "
+        "minimums, priorities and quotas are not held back.",
+    )
+    scheduler_starvation_s: float = Field(
+        600.0,
+        gt=0,
+        description="A job that waited this long for its min_workers keeps later jobs of "
+        "its priority or below from starting ahead of it.",
+    )
     user_max_wall_time_s: float | None = Field(
         7 * 24 * 3600.0,
         gt=0,
