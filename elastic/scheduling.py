@@ -317,8 +317,10 @@ class _State:
             job.fits_empty = empty.room(shape) >= lo
             self.jobs.append(job)
         self.used: dict[str, list[float]] = {}  # owner -> [workers, GPUs] within quota
-        self.blocked_at: int | None = None  # the priority of a starving job, if any
+        # The first job starving for capacity, and per owner the first starving for its
+        # owner's quota: nothing at their priority or below (of that owner) starts ahead.
         self.starving: _Job | None = None
+        self.owner_blocks: dict[str, _Job] = {}
 
     def quota_room(self, job: _Job, count: int) -> str:
         """'' if ``count`` more workers stay within the owner's quota, else the reason."""
@@ -373,16 +375,16 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
         if not job.fits_empty:
             job.wait = f"waiting: needs {job.lo} workers, more than the cluster can hold"
             continue
-        if state.blocked_at is not None and job.priority <= state.blocked_at and job.held == 0:
-            assert state.starving is not None
-            job.wait = (
-                f"waiting: job {state.starving.rec.demand.job_id} has waited longest "
-                "and starts first"
-            )
+        blocker = _blocked_by(state, job)
+        if blocker:
+            job.wait = f"waiting: job {blocker} has waited longest and starts first"
             continue
         reason = state.quota_room(job, job.lo) if within_quota else ""
         if reason:
             job.wait = reason
+            if within_quota and _starving(state, job) and _quota_can_hold(state, job):
+                # Its owner's other jobs must not keep taking the quota ahead of it.
+                state.owner_blocks.setdefault(job.rec.demand.owner, job)
             continue
         room = state.packer.room(job.shape)
         if state.give(job, job.lo, within_quota):
@@ -390,11 +392,31 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
             continue
         if within_quota or not job.wait:
             job.wait = _capacity_reason(state, job, order, min(room, job.lo))
-        starving = job.held == 0 and _waited(job, state.now) > state.knobs.starvation_s
-        # Only capacity (not the owner's own quota) makes a job starve; from then on
-        # nothing at its priority or below starts ahead of it.
-        if within_quota and starving and state.blocked_at is None:
-            state.blocked_at, state.starving = job.priority, job
+        if within_quota and _starving(state, job) and state.starving is None:
+            # From now on nothing at its priority or below starts ahead of it.
+            state.starving = job
+
+
+def _starving(state: _State, job: _Job) -> bool:
+    return job.held == 0 and _waited(job, state.now) > state.knobs.starvation_s
+
+
+def _blocked_by(state: _State, job: _Job) -> str:
+    """The id of the starving job that ``job`` (waiting) may not start ahead of, or ''."""
+    if job.held > 0:
+        return ""  # a running job keeps its minimum; blocks only hold back starts
+    for s in (state.starving, state.owner_blocks.get(job.rec.demand.owner)):
+        if s is not None and s is not job and job.priority <= s.priority:
+            return s.rec.demand.job_id
+    return ""
+
+
+def _quota_can_hold(state: _State, job: _Job) -> bool:
+    q = state.quotas.get(job.rec.demand.owner)
+    if q is None:
+        return True
+    workers_ok = q.workers is None or job.lo <= q.workers
+    return workers_ok and (q.gpus is None or job.lo * job.gpus <= q.gpus + _EPS)
 
 
 def _capacity_reason(state: _State, job: _Job, order: Sequence[_Job], free: int) -> str:
