@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 # Named priority classes a job spec may give instead of a number.
@@ -61,6 +61,10 @@ class JobRecord:
     changed_at: float = 0.0  # when ``size`` last changed
     # Measured samples/s at each world size it ran at (the latest measurement per size).
     throughput: dict[int, float] = field(default_factory=dict)
+    # Of ``size``, the workers beyond its owner's quota (the last Placement.borrowed,
+    # recorded back): they stay the borrowed ones, so that which of an owner's jobs is
+    # within quota does not swap when a borrower starts running.
+    borrowed: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,38 @@ def plan(
 ) -> dict[str, Placement]:
     """The size of every job in ``jobs`` (keyed by job id). ``nodes``: each live node's
     total schedulable resources (draining nodes left out)."""
+    # The decisions depend a little on what is held (running jobs go first, held workers
+    # count more, recent changes dwell, packing keeps held workers in place), so the plan
+    # for the records with this plan applied can differ. Iterate to a fixpoint (it takes
+    # one or two rounds) so that planning again with the result applied keeps everyone.
+    records = list(jobs)
+    order = _solve(nodes, records, quotas, now, knobs)
+    for _ in range(_FIXPOINT_ROUNDS):
+        if all(
+            j.size == r.size and j.size - j.quota_size == r.borrowed
+            for j, r in _pairs(order, records)
+        ):
+            break
+        sized = {j.rec.demand.job_id: j for j in order}
+        records = [_applied(r, sized[r.demand.job_id], now) for r in records]
+        order = _solve(nodes, records, quotas, now, knobs)
+    # The changes are relative to what the caller's records hold.
+    by_id = {r.demand.job_id: r for r in jobs}
+    for j in order:
+        j.rec = by_id[j.rec.demand.job_id]
+    return {j.rec.demand.job_id: _placement(j, order) for j in order}
+
+
+_FIXPOINT_ROUNDS = 3
+
+
+def _solve(
+    nodes: Sequence[Mapping[str, float]],
+    jobs: Sequence[JobRecord],
+    quotas: Mapping[str, Quota],
+    now: float,
+    knobs: Knobs,
+) -> list[_Job]:
     state = _State(nodes, jobs, quotas, now, knobs)
     order = sorted(state.jobs, key=_order_key)
     # Pass A within every owner's quota, then pass B lends what is left (borrowed).
@@ -123,7 +159,18 @@ def plan(
         if within_quota:
             for j in order:
                 j.quota_size = j.size
-    return {j.rec.demand.job_id: _placement(state, j, order) for j in order}
+    return order
+
+
+def _pairs(order: Sequence[_Job], records: Sequence[JobRecord]) -> list[tuple[_Job, JobRecord]]:
+    by_id = {r.demand.job_id: r for r in records}
+    return [(j, by_id[j.rec.demand.job_id]) for j in order]
+
+
+def _applied(rec: JobRecord, j: _Job, now: float) -> JobRecord:
+    """The record as the caller will hold it once the plan is applied."""
+    changed = rec.changed_at if j.size == rec.size else now
+    return replace(rec, size=j.size, changed_at=changed, borrowed=j.size - j.quota_size)
 
 
 # -- throughput curves ---------------------------------------------------------------------
@@ -195,9 +242,11 @@ class _Job:
 
 class _Packer:
     """Workers packed onto nodes, each within one node. Only grows during a plan, so a
-    shape that failed once fails again (cached). First fit from a per-shape cursor; when
-    that fails but the totals would allow it, everything is packed again first-fit
-    decreasing, the workers jobs hold now first, so running jobs keep their place."""
+    shape that failed once fails again (cached). First fit from a per-shape cursor, over the
+    nodes ordered so that a worker goes first to nodes without resources it does not need
+    (CPU workers keep off GPU nodes). When that fails but the totals would allow it,
+    everything is packed again first-fit decreasing, the workers jobs hold now first (so
+    running jobs keep their place), and if that fails too, all by size alone."""
 
     def __init__(self, nodes: Sequence[Mapping[str, float]], keys: Sequence[str]) -> None:
         self.keys = list(keys)
@@ -209,6 +258,9 @@ class _Packer:
         self.placed: dict[int, int] = {}
         self.cursor: dict[Shape, int] = {}
         self.failed: dict[Shape, int] = {}
+        self.orders: dict[Shape, list[int]] = {}
+        top = [max((c[d] for c in self.cap), default=0.0) for d in range(len(self.keys))]
+        self.top = [t if t > 0 else 1.0 for t in top]
 
     def add(self, job: int, shape: Shape, held: int, count: int) -> bool:
         if count <= 0:
@@ -228,28 +280,49 @@ class _Packer:
                 self.counts[(job, flag)] = self.counts.get((job, flag), 0) + n
         return True
 
+    def short_of(self, shape: Shape, count: int) -> frozenset[int]:
+        """The resources whose free total is below ``count`` workers' worth; all that the
+        shape needs when the totals suffice (then it is the packing that fails)."""
+        needs = [d for d, x in enumerate(shape) if x > 0]
+        short = [d for d in needs if sum(f[d] for f in self.free) + _EPS < count * shape[d]]
+        return frozenset(short or needs)
+
     def room(self, shape: Shape) -> int:
         """How many workers of ``shape`` still fit."""
         return sum(_fit_count(f, shape) for f in self.free)
 
+    def order(self, shape: Shape) -> list[int]:
+        if shape not in self.orders:
+            unused = [
+                sum(1 for c, x in zip(cap, shape, strict=True) if c > 0 and x == 0)
+                for cap in self.cap
+            ]
+            self.orders[shape] = sorted(range(len(self.cap)), key=lambda i: (unused[i], i))
+        return self.orders[shape]
+
     def _first_fit(self, shape: Shape, count: int) -> bool:
         start = self.cursor.get(shape, 0)
+        order = self.order(shape)
         takes: list[tuple[int, int]] = []
         left = count
-        for i in range(start, len(self.free)):
-            n = min(left, _fit_count(self.free[i], shape))
+        for pos in range(start, len(order)):
+            n = min(left, _fit_count(self.free[order[pos]], shape))
             if n:
-                takes.append((i, n))
+                takes.append((pos, n))
                 left -= n
                 if not left:
                     break
         if left:
             return False
-        for i, n in takes:
+        for pos, n in takes:
+            i = order[pos]
             self.free[i] = [f - n * s for f, s in zip(self.free[i], shape, strict=True)]
         # Nodes before the first one used had no room for this shape and only fill up.
         self.cursor[shape] = takes[0][0]
         return True
+
+    def _size(self, shape: Shape) -> float:
+        return sum(x / t for x, t in zip(shape, self.top, strict=True))
 
     def _repack(self, job: int, count: int) -> bool:
         shape = self.shapes[job]
@@ -260,15 +333,17 @@ class _Packer:
         extra_held = max(0, min(self.placed.get(job, 0) + count, self.held[job]))
         extra_held -= min(self.placed.get(job, 0), self.held[job])
         items += [(True, job, extra_held), (False, job, count - extra_held)]
-        # Held workers first; within each group the largest shapes first (FFD).
-        items.sort(key=lambda t: (not t[0], [-x for x in self.shapes[t[1]]], t[1]))
-        free = [list(c) for c in self.cap]
-        for _, j, n in items:
-            if not _bulk(free, self.shapes[j], n):
-                return False
-        self.free = free
-        self.cursor = {}
-        return True
+        # Held workers first, the largest first within each group (FFD); then all by size.
+        for held_first in (True, False):
+            items.sort(
+                key=lambda t: (held_first and not t[0], -self._size(self.shapes[t[1]]), t[1])
+            )
+            free = [list(c) for c in self.cap]
+            if all(_bulk(free, self.shapes[j], n, self.order(self.shapes[j])) for _, j, n in items):
+                self.free = free
+                self.cursor = {}
+                return True
+        return False
 
 
 def _fit_count(free: Sequence[float], shape: Shape) -> int:
@@ -279,8 +354,9 @@ def _fit_count(free: Sequence[float], shape: Shape) -> int:
     return max(0, best)
 
 
-def _bulk(free: list[list[float]], shape: Shape, count: int) -> bool:
-    for i, f in enumerate(free):
+def _bulk(free: list[list[float]], shape: Shape, count: int, order: Sequence[int]) -> bool:
+    for i in order:
+        f = free[i]
         if count <= 0:
             break
         n = min(count, _fit_count(f, shape))
@@ -318,9 +394,10 @@ class _State:
             self.jobs.append(job)
         self.used: dict[str, list[float]] = {}  # owner -> [workers, GPUs] within quota
         # The first job starving for capacity, and per owner the first starving for its
-        # owner's quota: nothing at their priority or below (of that owner) starts ahead.
-        self.starving: _Job | None = None
-        self.owner_blocks: dict[str, _Job] = {}
+        # owner's quota, each with the resources it is short of: nothing at its priority or
+        # below (of that owner) that needs those starts ahead of it.
+        self.starving: tuple[_Job, frozenset[int]] | None = None
+        self.owner_blocks: dict[str, tuple[_Job, frozenset[int]]] = {}
 
     def quota_room(self, job: _Job, count: int) -> str:
         """'' if ``count`` more workers stay within the owner's quota, else the reason."""
@@ -351,9 +428,10 @@ class _State:
 
 def _order_key_of(rec: JobRecord) -> tuple[int, int, float, str]:
     # Highest priority first; running before waiting (a waiting job never displaces a
-    # running one of its own priority); then first come first served.
+    # running one of its own priority; a job running only on borrowed workers counts as
+    # waiting for its quota); then first come first served.
     d = rec.demand
-    return (-d.priority, 0 if rec.size > 0 else 1, d.submitted_at, d.job_id)
+    return (-d.priority, 0 if rec.size > rec.borrowed else 1, d.submitted_at, d.job_id)
 
 
 def _order_key(job: _Job) -> int:
@@ -362,7 +440,7 @@ def _order_key(job: _Job) -> int:
 
 def _waited(job: _Job, now: float) -> float:
     # A preempted job waits again from its preemption; its FCFS place stays its submission.
-    return now - max(job.rec.demand.submitted_at, job.rec.changed_at if job.held == 0 else 0)
+    return now - max(job.rec.demand.submitted_at, job.rec.changed_at if job.held == 0 else 0.0)
 
 
 # -- step 1: minimums ----------------------------------------------------------------------
@@ -375,7 +453,7 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
         if not job.fits_empty:
             job.wait = f"waiting: needs {job.lo} workers, more than the cluster can hold"
             continue
-        blocker = _blocked_by(state, job)
+        blocker = _blocked_by(state, job, within_quota)
         if blocker:
             job.wait = f"waiting: job {blocker} has waited longest and starts first"
             continue
@@ -384,7 +462,8 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
             job.wait = reason
             if within_quota and _starving(state, job) and _quota_can_hold(state, job):
                 # Its owner's other jobs must not keep taking the quota ahead of it.
-                state.owner_blocks.setdefault(job.rec.demand.owner, job)
+                dims = _uses(job) if "GPUs" not in reason else _uses(job, "GPU", state)
+                state.owner_blocks.setdefault(job.rec.demand.owner, (job, dims))
             continue
         room = state.packer.room(job.shape)
         if state.give(job, job.lo, within_quota):
@@ -393,22 +472,52 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
         if within_quota or not job.wait:
             job.wait = _capacity_reason(state, job, order, min(room, job.lo))
         if within_quota and _starving(state, job) and state.starving is None:
-            # From now on nothing at its priority or below starts ahead of it.
-            state.starving = job
+            # From now on nothing at its priority or below that needs what it is short of
+            # starts ahead of it (a job needing only idle CPUs may still start).
+            state.starving = (job, state.packer.short_of(job.shape, job.lo))
+            # Its owner's later jobs must not take the quota it will need either.
+            dims = _quota_dims(state, job)
+            if dims:
+                state.owner_blocks.setdefault(job.rec.demand.owner, (job, dims))
+
+
+def _queued(job: _Job) -> bool:
+    """Waiting, or running only on borrowed workers (still waiting for its quota)."""
+    return job.held == 0 or job.rec.borrowed >= job.held
 
 
 def _starving(state: _State, job: _Job) -> bool:
-    return job.held == 0 and _waited(job, state.now) > state.knobs.starvation_s
+    return _queued(job) and _waited(job, state.now) > state.knobs.starvation_s
 
 
-def _blocked_by(state: _State, job: _Job) -> str:
+def _blocked_by(state: _State, job: _Job, within_quota: bool) -> str:
     """The id of the starving job that ``job`` (waiting) may not start ahead of, or ''."""
-    if job.held > 0:
+    if not _queued(job) or (job.held > 0 and not within_quota):
         return ""  # a running job keeps its minimum; blocks only hold back starts
-    for s in (state.starving, state.owner_blocks.get(job.rec.demand.owner)):
-        if s is not None and s is not job and job.priority <= s.priority:
+    for block in (state.starving, state.owner_blocks.get(job.rec.demand.owner)):
+        if block is None:
+            continue
+        s, dims = block
+        if s is not job and job.priority <= s.priority and dims & _uses(job):
             return s.rec.demand.job_id
     return ""
+
+
+def _uses(job: _Job, only: str | None = None, state: _State | None = None) -> frozenset[int]:
+    """The indices of the resources a worker of ``job`` needs (or just ``only``'s)."""
+    if only is not None and state is not None and only in state.packer.keys:
+        return frozenset({state.packer.keys.index(only)})
+    return frozenset(i for i, x in enumerate(job.shape) if x > 0)
+
+
+def _quota_dims(state: _State, job: _Job) -> frozenset[int]:
+    """The resources its owner's quota limits, as they concern ``job``."""
+    q = state.quotas.get(job.rec.demand.owner)
+    if q is None:
+        return frozenset()
+    if q.workers is not None:
+        return _uses(job)
+    return _uses(job, "GPU", state) if q.gpus is not None and job.gpus > 0 else frozenset()
 
 
 def _quota_can_hold(state: _State, job: _Job) -> bool:
@@ -434,8 +543,9 @@ def _extras(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
         jobs = [j for j in order if j.priority == level and 0 < j.size < j.hi]
         # A job resized within dwell_s keeps what it holds (throughput does not take it).
         for j in jobs:
-            if state.now - j.rec.changed_at < state.knobs.dwell_s and j.held > j.size:
-                _give_up_to(state, j, min(j.held, j.hi) - j.size, within_quota)
+            held = _held(j, within_quota)
+            if state.now - j.rec.changed_at < state.knobs.dwell_s and held > j.size:
+                _give_up_to(state, j, min(held, j.hi) - j.size, within_quota)
         _greedy(state, [j for j in jobs if j.size < j.hi], within_quota)
 
 
@@ -446,28 +556,33 @@ def _give_up_to(state: _State, job: _Job, count: int, within_quota: bool) -> Non
             return
 
 
-def _gain(state: _State, job: _Job) -> float:
+def _held(job: _Job, within_quota: bool) -> int:
+    """What it holds, of the kind being given: within quota (pass A) or in all (pass B)."""
+    return job.held - min(job.held, job.rec.borrowed) if within_quota else job.held
+
+
+def _gain(state: _State, job: _Job, within_quota: bool) -> float:
     g = marginal_gain(job.rec.throughput, job.size)
     # A worker the job holds counts more, so that noise and small differences don't move it.
-    return g * (1 + state.knobs.hysteresis) if job.size < job.held else g
+    return g * (1 + state.knobs.hysteresis) if job.size < _held(job, within_quota) else g
 
 
 def _greedy(state: _State, jobs: Sequence[_Job], within_quota: bool) -> None:
     """Each next worker to the job it raises most (Pollux-like); ties to the earlier job."""
-    heap = [(-_gain(state, j), j.index, j) for j in jobs]
+    heap = [(-_gain(state, j, within_quota), j.index, j) for j in jobs]
     heapq.heapify(heap)
     while heap:
         neg, _, job = heapq.heappop(heap)
         if -neg <= _EPS or not state.give(job, 1, within_quota):
             continue  # adds nothing, or does not fit: this job grows no further
         if job.size < job.hi:
-            heapq.heappush(heap, (-_gain(state, job), job.index, job))
+            heapq.heappush(heap, (-_gain(state, job, within_quota), job.index, job))
 
 
 # -- the placements and their reasons ------------------------------------------------------
 
 
-def _placement(state: _State, job: _Job, order: Sequence[_Job]) -> Placement:
+def _placement(job: _Job, order: Sequence[_Job]) -> Placement:
     d = job.rec.demand
     old, new = job.held, job.size
     borrowed = max(0, new - job.quota_size)
@@ -499,9 +614,10 @@ def _taken_by(victim: _Job, order: Sequence[_Job]) -> tuple[str, str | None]:
     for o in gainers:
         if o.priority > victim.priority:
             return f" for job {o.rec.demand.job_id} (priority {o.priority})", o.rec.demand.job_id
-    if victim.quota_size < victim.held:
+    if victim.rec.borrowed > 0:
+        # It had borrowed: what it lost went to a job growing within its owner's quota.
         for o in gainers:
-            if o.quota_size > o.held and o.rec.demand.owner != victim.rec.demand.owner:
+            if o.quota_size > o.held - min(o.held, o.rec.borrowed):
                 owner = victim.rec.demand.owner
                 return (
                     f": {owner}'s borrowed workers taken back for job {o.rec.demand.job_id}",

@@ -214,7 +214,8 @@ def test_quota_is_borrowed_when_idle_and_taken_back_for_an_owner_within_quota() 
     out = plan(cpu_nodes(8, 8), [alice], quotas, now=10)
     assert out["a"].size == 16 and out["a"].borrowed == 12
     assert out["a"].reason == "started with 16 workers (12 borrowed beyond alice's quota)"
-    alice = replace(alice, size=16, changed_at=10, throughput=linear(16))
+    # The service records each placement's borrowed workers back on the job.
+    alice = replace(alice, size=16, changed_at=10, throughput=linear(16), borrowed=12)
     bob = job("b", lo=8, hi=8, owner="bob", at=20)
     out = plan(cpu_nodes(8, 8), [alice, bob], quotas, now=30)
     assert sizes(out) == {"a": 8, "b": 8}  # alice keeps her 4 and 4 borrowed
@@ -224,6 +225,7 @@ def test_quota_is_borrowed_when_idle_and_taken_back_for_an_owner_within_quota() 
     )
     # Borrowing never takes a minimum from an owner within quota, whatever the priority.
     urgent = job("a", lo=12, hi=12, owner="alice", priority=100, size=12, throughput=linear(12))
+    urgent.borrowed = 8
     out = plan(cpu_nodes(8, 8), [urgent, bob], quotas, now=30)
     assert sizes(out) == {"a": 0, "b": 8}
     assert out["a"].change is Change.PREEMPT
@@ -287,8 +289,200 @@ def apply(jobs: Sequence[JobRecord], out: Mapping[str, Placement], now: float) -
     for r in jobs:
         p = out[r.demand.job_id]
         changed = r.changed_at if p.size == r.size else now
-        applied.append(replace(r, size=p.size, changed_at=changed))
+        applied.append(replace(r, size=p.size, changed_at=changed, borrowed=p.borrowed))
     return applied
 
 
 # -- a random cluster, thousands of events ---------------------------------------------------
+
+SHAPES: list[dict[str, float]] = [{"CPU": 1.0}, {"CPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}]
+NODE_KINDS: list[dict[str, float]] = [{"CPU": 8.0}, {"CPU": 4.0}, {"CPU": 16.0, "GPU": 4.0}]
+MAX_RUN_S = 600.0
+
+
+def packs(
+    nodes: Sequence[Mapping[str, float]], items: Sequence[tuple[Mapping[str, float], int]]
+) -> bool:
+    """An independent check: first fit decreasing, in a few orders (any packing will do)."""
+    for gpu_first in (False, True):
+        for spare_gpu_nodes in (False, True):
+            if _first_fit(nodes, items, gpu_first, spare_gpu_nodes):
+                return True
+    return False
+
+
+def _first_fit(
+    nodes: Sequence[Mapping[str, float]],
+    items: Sequence[tuple[Mapping[str, float], int]],
+    gpu_first: bool,
+    spare_gpu_nodes: bool,
+) -> bool:
+    free = [dict(n) for n in nodes]
+
+    def key(it: tuple[Mapping[str, float], int]) -> tuple[bool, float]:
+        return (gpu_first and "GPU" not in it[0], -sum(it[0].values()))
+
+    for shape, count in sorted(items, key=key):
+        order = free
+        if spare_gpu_nodes and "GPU" not in shape:
+            order = sorted(free, key=lambda n: n.get("GPU", 0.0) > 0)
+        for node in order:
+            while count and all(node.get(k, 0.0) + 1e-9 >= v for k, v in shape.items()):
+                for k, v in shape.items():
+                    node[k] = node.get(k, 0.0) - v
+                count -= 1
+        if count:
+            return False
+    return True
+
+
+class Sim:
+    """A cluster with random arrivals, run times, curves and quotas, planned at every step."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = rng = random.Random(seed)
+        self.one_priority = seed % 2 == 1
+        self.nodes = [dict(rng.choice(NODE_KINDS)) for _ in range(rng.randint(3, 8))]
+        self.quotas = {
+            o: Quota(workers=rng.choice([None, 6, 12]), gpus=rng.choice([None, 2.0, 4.0]))
+            for o in ("alice", "bob", "carol")
+        }
+        self.knobs = Knobs(starvation_s=300.0, dwell_s=60.0)
+        self.jobs: dict[str, JobRecord] = {}
+        self.left_s: dict[str, float] = {}  # run time each job still needs
+        self.curve: dict[str, tuple[float, float]] = {}  # (samples/s of one worker, serial)
+        self.waiting_since: dict[str, float] = {}
+        self.now = 0.0
+        self.arrivals = 0
+        # The oldest waiting job the bound applies to starts within this of becoming the
+        # oldest: it starves after starvation_s, then waits for running jobs to end (twice
+        # at most: jobs that need none of what it is short of may start meanwhile).
+        self.bound_s = self.knobs.starvation_s + 2 * MAX_RUN_S + 100.0
+        self.head: tuple[str, float] | None = None
+
+    def arrive(self) -> None:
+        rng = self.rng
+        jid = f"j{self.arrivals}"
+        self.arrivals += 1
+        lo = rng.choice([1, 1, 2, 4])
+        priority = 50 if self.one_priority else rng.choice([0, 50, 100])
+        record = job(
+            jid,
+            lo=lo,
+            hi=lo * rng.choice([1, 2, 4]),
+            priority=priority,
+            owner=rng.choice(["alice", "bob", "carol"]),
+            at=self.now,
+            per_worker=rng.choice(SHAPES),
+        )
+        self.jobs[jid] = record
+        self.left_s[jid] = rng.uniform(30.0, MAX_RUN_S)
+        self.curve[jid] = (rng.uniform(10.0, 100.0), rng.choice([0.0, 0.05, 0.3, 0.9]))
+        self.waiting_since[jid] = self.now
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        for jid, r in list(self.jobs.items()):
+            if r.size > 0:
+                self.left_s[jid] -= dt
+                if self.left_s[jid] <= 0:
+                    del self.jobs[jid]
+                    continue
+                rate, serial = self.curve[jid]
+                n = r.size
+                r.throughput[n] = rate * n / (serial * n + 1 - serial) * self.rng.gauss(1, 0.03)
+
+    def bounded(self, r: JobRecord) -> bool:
+        """Whether the starvation bound applies: its minimum fits the empty cluster and its
+        owner's quota, and no higher priority can arrive."""
+        d = r.demand
+        q = self.quotas[d.owner]
+        gpus = d.min_workers * d.per_worker.get("GPU", 0.0)
+        return (
+            (self.one_priority or d.priority == 100)
+            and packs(self.nodes, [(d.per_worker, d.min_workers)])
+            and (q.workers is None or d.min_workers <= q.workers)
+            and (q.gpus is None or gpus <= q.gpus)
+        )
+
+
+def check_step(sim: Sim, out: Mapping[str, Placement]) -> None:
+    jobs = sim.jobs
+    for jid, p in out.items():
+        d = jobs[jid].demand
+        assert p.size == 0 or d.min_workers <= p.size <= d.max_workers, (jid, p)
+        assert 0 <= p.borrowed <= p.size
+    items = [(jobs[j].demand.per_worker, p.size) for j, p in out.items()]
+    assert packs(sim.nodes, items), "the sizes do not pack into the nodes"
+    # Within quota: what is not borrowed stays within each owner's quota.
+    used: dict[str, list[float]] = {}
+    for jid, p in out.items():
+        d = jobs[jid].demand
+        u = used.setdefault(d.owner, [0.0, 0.0])
+        u[0] += p.size - p.borrowed
+        u[1] += (p.size - p.borrowed) * d.per_worker.get("GPU", 0.0)
+    for owner, (w, g) in used.items():
+        q = sim.quotas[owner]
+        assert q.workers is None or w <= q.workers
+        assert q.gpus is None or g <= q.gpus + 1e-9
+    # Borrowed workers never keep out a job whose owner is within quota: without them its
+    # minimum would not pack next to everything held within quota.
+    if any(p.borrowed for p in out.values()):
+        kept = [(jobs[j].demand.per_worker, p.size - p.borrowed) for j, p in out.items()]
+        for jid, p in out.items():
+            d = jobs[jid].demand
+            if p.size or "waited longest" in p.reason or "more than the cluster" in p.reason:
+                continue
+            q = sim.quotas[d.owner]
+            u = used.get(d.owner, [0.0, 0.0])
+            gpus = d.min_workers * d.per_worker.get("GPU", 0.0)
+            if (q.workers is not None and u[0] + d.min_workers > q.workers) or (
+                q.gpus is not None and u[1] + gpus > q.gpus + 1e-9
+            ):
+                continue
+            borrowers = [
+                j for j, b in out.items() if b.borrowed and jobs[j].demand.owner != d.owner
+            ]
+            if borrowers:
+                assert not packs(sim.nodes, [*kept, (d.per_worker, d.min_workers)]), (jid, p)
+    # No flapping: a throughput move never undoes a change younger than dwell_s.
+    for jid, p in out.items():
+        r = jobs[jid]
+        if p.change is Change.SHRINK and "gains more throughput" in p.reason:
+            assert sim.now - r.changed_at >= sim.knobs.dwell_s, (jid, p)
+
+
+def check_the_head_starts(sim: Sim) -> None:
+    """The oldest waiting job that fits (cluster and quota) at the top priority starts
+    within a bound of becoming the oldest: no starvation."""
+    waiting = [r for r in sim.jobs.values() if r.size == 0 and sim.bounded(r)]
+    if not waiting:
+        sim.head = None
+        return
+    head = min(waiting, key=lambda r: (r.demand.submitted_at, r.demand.job_id)).demand.job_id
+    if sim.head is None or sim.head[0] != head:
+        sim.head = (head, sim.now)
+    assert sim.now - sim.head[1] <= sim.bound_s, (head, sim.now - sim.head[1])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_random_cluster_keeps_the_invariants_at_every_step(seed: int) -> None:
+    sim = Sim(seed)
+    for _ in range(700):
+        sim.advance(sim.rng.expovariate(1 / 10.0))
+        for _ in range(sim.rng.choice([0, 0, 0, 1, 1, 2])):
+            sim.arrive()
+        jobs = list(sim.jobs.values())
+        out = plan(sim.nodes, jobs, sim.quotas, sim.now, sim.knobs)
+        check_step(sim, out)
+        applied = apply(jobs, out, sim.now)
+        again = plan(sim.nodes, applied, sim.quotas, sim.now, sim.knobs)
+        flaps = {j: p for j, p in again.items() if p.change not in (Change.KEEP, Change.WAIT)}
+        assert not flaps, flaps
+        for r in applied:
+            jid = r.demand.job_id
+            if r.size == 0 and sim.jobs[jid].size > 0:
+                sim.waiting_since[jid] = sim.now  # preempted: waits again from now
+            sim.jobs[jid] = r
+        check_the_head_starts(sim)
+    assert sim.arrivals > 350
