@@ -486,3 +486,20 @@ def test_a_random_cluster_keeps_the_invariants_at_every_step(seed: int) -> None:
             sim.jobs[jid] = r
         check_the_head_starts(sim)
     assert sim.arrivals > 350
+
+
+# -- the trace benchmark's simulator -----------------------------------------------------------
+
+
+def test_the_trace_simulator_finishes_every_job_with_exactly_its_work() -> None:
+    from bench.scheduler_trace import SCHEDULERS, make_trace, simulate
+
+    trace = make_trace(seed=1, cluster=16, jobs=12)
+    for name in SCHEDULERS:
+        result = simulate(trace, 16, name)
+        assert sorted(r.job.job_id for r in result.runs) == sorted(j.job_id for j in trace)
+        for r in result.runs:
+            assert r.done_at is not None and r.done_at >= r.job.arrival
+            # Conservation: processed minus what preemptions lost is the job's work.
+            assert r.processed - r.lost == pytest.approx(r.job.work, rel=1e-6), (name, r.job)
+        assert 0 < result.utilisation <= 1
