@@ -107,6 +107,9 @@ class Run:
     processed: float = 0.0  # all samples processed, lost ones included
     lost: float = 0.0
     done_at: float | None = None
+    started_at: float | None = None
+    preemptions: int = 0
+    resizes: int = 0
     held_s: float = 0.0  # worker-seconds held
 
 
@@ -173,6 +176,12 @@ def simulate(trace: Sequence[TraceJob], cluster: int, name: str, seed: int = 0) 
             new = sizes.get(r.job.job_id, r.size)
             if new == r.size:
                 continue
+            if r.started_at is None:
+                r.started_at = now
+            elif new == 0:
+                r.preemptions += 1
+            elif r.size:
+                r.resizes += 1
             if new == 0:  # preempted: back to the last checkpoint
                 r.left += r.since_ckpt_work
                 r.lost += r.since_ckpt_work
@@ -268,11 +277,20 @@ def _spread(values: Sequence[float], unit: float = 1.0, fmt: str = "{:.0f}") -> 
     return f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})"
 
 
+def _wait(r: Result) -> float:
+    return statistics.fmean((x.started_at or 0.0) - x.job.arrival for x in r.runs)
+
+
+def _ideal(r: Result) -> list[float]:
+    return [x.job.work / x.job.speed(x.job.max_workers) for x in r.runs]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=150)
     ap.add_argument("--clusters", default="64,1024")
+    ap.add_argument("--load", type=float, default=LOAD, help="offered load (work at max size)")
     ap.add_argument("--quick", action="store_true", help="a tiny trace: 30 jobs, 2 seeds")
     args = ap.parse_args(argv)
     if args.quick:
@@ -280,21 +298,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     clusters = [int(c) for c in args.clusters.split(",")]
     began = time.monotonic()
     print(
-        f"trace: {args.jobs} jobs/seed, seeds 0-{args.seeds - 1}, offered load {LOAD:.2f} of the "
-        f"cluster (work at max size; same for every cluster size so utilisation compares), "
+        f"trace: {args.jobs} jobs/seed, seeds 0-{args.seeds - 1}, offered load "
+        f"{args.load:.2f} of the cluster (work at max size; the same for every cluster size, "
+        f"so utilisation compares), "
         f"nodes of {NODE_SLOTS} workers, pauses {START_S:g} s start/restart, "
         f"{IN_PLACE_S:g} s in place, checkpoints every {CHECKPOINT_EVERY_S:g} s, "
         f"re-plan tick {TICK_S:g} s. Median over seeds (min-max)."
     )
     head = (
         f"{'workers':>7}  {'scheduler':<13} {'avg JCT h':<18} {'median JCT h':<18} "
-        f"{'makespan h':<18} {'utilisation':<18} {'plans':>6}"
+        f"{'avg wait h':<18} {'makespan h':<18} {'utilisation':<18} {'plans':>6}"
     )
     print(head)
     for cluster in clusters:
         results: dict[str, list[Result]] = {s: [] for s in SCHEDULERS}
         for seed in range(args.seeds):
-            trace = make_trace(seed, cluster, args.jobs)
+            trace = make_trace(seed, cluster, args.jobs, args.load)
             for s in SCHEDULERS:
                 results[s].append(simulate(trace, cluster, s, seed))
         for s in SCHEDULERS:
@@ -303,10 +322,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{cluster:>7}  {s:<13} "
                 f"{_spread([statistics.fmean(r.jct) for r in rs], 3600, '{:.2f}'):<18} "
                 f"{_spread([statistics.median(r.jct) for r in rs], 3600, '{:.2f}'):<18} "
+                f"{_spread([_wait(r) for r in rs], 3600, '{:.2f}'):<18} "
                 f"{_spread([r.makespan for r in rs], 3600, '{:.1f}'):<18} "
                 f"{_spread([r.utilisation for r in rs], 0.01, '{:.0f}%'):<18} "
                 f"{statistics.median(r.plans for r in rs):>6.0f}"
             )
+        bound = [statistics.fmean(_ideal(r)) for r in results["fcfs"]]
+        print(
+            f"{cluster:>7}  {'bound':<13} {_spread(bound, 3600, '{:.2f}'):<18} (every job at "
+            "max_workers from its arrival: no scheduler's average JCT goes below this)"
+        )
         for base in ("fcfs", "fcfs-bf", "policy-rigid"):
             ratios = [
                 statistics.fmean(c.jct) / statistics.fmean(b.jct)
