@@ -21,6 +21,25 @@ The order of decisions:
    over their owner's quota (borrowed), and taken back first when anyone within quota needs it.
 
 Every allocation packs into the nodes (each worker within one node).
+
+Where the rules above leave room, this module chooses:
+
+- A starving job holds back only jobs that need a resource it is short of (a CPU-only job may
+  still start while a GPU job waits for GPUs), and its owner's later jobs, so that they do
+  not take the quota it will need. A job starving for its owner's quota (that could hold it)
+  holds back its owner's later jobs. A job whose minimum packs into no empty cluster waits
+  without holding anyone back. A running job's minimum is never taken by a block.
+- Borrowed workers are the ones a job already borrowed (``JobRecord.borrowed``, recorded
+  from ``Placement.borrowed``); a job running only on borrowed workers still queues for its
+  quota, and its start does not make another of its owner's jobs the borrower.
+- ``dwell_s`` holds a job's workers against throughput moves (and quota-free shrinking for
+  another's throughput) after any change; growing into workers no one values more is not
+  held back (a grow after a grow is no flap).
+- Throughput is compared as the marginal gain of one more worker in units of the job's own
+  per-worker rate at its smallest measured size (``marginal_gain``), so jobs of different
+  samples/s compare; an unmeasured job is assumed to scale linearly, so it is explored.
+- ``plan`` iterates to its own fixpoint: planning again with its result applied (sizes,
+  ``changed_at = now``, borrowed) keeps everyone (no flapping from order effects).
 """
 
 from __future__ import annotations
