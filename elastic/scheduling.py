@@ -196,11 +196,12 @@ def _applied(rec: JobRecord, j: _Job, now: float) -> JobRecord:
 
 
 def estimate(throughput: Mapping[int, float], n: int) -> float:
-    """Samples/s at world size ``n`` from the measured points: linear through the origin up
-    to the smallest measured size (so an unmeasured job looks perfectly scalable and gets
-    explored), interpolated between measured sizes, extrapolated past the largest with the
-    last measured marginal slope, never below the largest measured value (no negative
-    gains from noise)."""
+    """Samples/s at world size ``n`` from the measured points. Between measured sizes:
+    interpolated. Past the largest: the last measured marginal slope, never below the
+    largest measured value (no negative gains from noise). Below the smallest: with one
+    point, linear through the origin (an unmeasured job looks perfectly scalable and gets
+    explored); with two or more, Amdahl's law fitted through the two smallest, so that a job
+    measured as flat at 2 and 3 workers is not thought to gain from a second one."""
     points = sorted((k, v) for k, v in throughput.items() if k > 0)
     if n <= 0:
         return 0.0
@@ -208,7 +209,10 @@ def estimate(throughput: Mapping[int, float], n: int) -> float:
         return float(n)
     k0, v0 = points[0]
     if n <= k0:
-        return v0 * n / k0
+        if len(points) == 1:
+            return v0 * n / k0
+        rate, serial = _amdahl(points[0], points[1])
+        return rate * n / (1 + serial * (n - 1))
     for (ka, va), (kb, vb) in itertools.pairwise(points):
         if n <= kb:
             return va + (vb - va) * (n - ka) / (kb - ka)
@@ -219,6 +223,16 @@ def estimate(throughput: Mapping[int, float], n: int) -> float:
         kp, vp = points[-2]
         slope = max(0.0, (vl - vp) / (kl - kp))
     return vl + slope * (n - kl)
+
+
+def _amdahl(a: tuple[int, float], b: tuple[int, float]) -> tuple[float, float]:
+    """(one worker's samples/s, the serial fraction in [0, 1]) of the curve
+    ``T(n) = rate * n / (1 + serial * (n - 1))`` through two measured points."""
+    (ka, va), (kb, vb) = a, b
+    denominator = va * (ka - 1) / ka - vb * (kb - 1) / kb
+    serial = 0.0 if abs(denominator) <= _EPS else (vb / kb - va / ka) / denominator
+    serial = min(1.0, max(0.0, serial))
+    return va * (1 + serial * (ka - 1)) / ka, serial
 
 
 def marginal_gain(throughput: Mapping[int, float], n: int) -> float:
@@ -587,7 +601,9 @@ def _gain(state: _State, job: _Job, within_quota: bool) -> float:
 
 
 def _greedy(state: _State, jobs: Sequence[_Job], within_quota: bool) -> None:
-    """Each next worker to the job it raises most (Pollux-like); ties to the earlier job."""
+    """Each next worker to the job it raises most (Pollux-like); ties to the earlier job. A
+    worker that raises no job's measured throughput stays free (for the next job to start
+    at once) rather than go to a job that was measured not to gain from it."""
     heap = [(-_gain(state, j, within_quota), j.index, j) for j in jobs]
     heapq.heapify(heap)
     while heap:

@@ -1,0 +1,238 @@
+"""The cluster's scheduler on a real Ray cluster of three one-CPU worker nodes: priorities
+shrink and preempt running jobs and give the workers back afterwards, quotas hold while
+others wait and lend idle capacity, and spare workers go to the job that gains from them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import (
+    ClusterPool,
+    LiveServer,
+    create_user_token,
+    make_settings,
+    wait_for,
+    wait_until_ended,
+)
+from tests.integration.test_elastic import (
+    BATCH,
+    DATASET,
+    elastic_job,
+    events,
+    get,
+    samples_that_count,
+    states,
+    wait_until,
+)
+
+
+@pytest.fixture
+def pool(ray_cluster: ClusterPool) -> Iterator[ClusterPool]:
+    ray_cluster.restore_pool()
+    yield ray_cluster
+
+
+@pytest.fixture
+def server(pool: ClusterPool, tmp_path: Path) -> Iterator[LiveServer]:
+    # A short dwell: the sharing test needs a resize for throughput within seconds.
+    settings = make_settings(
+        tmp_path, entrypoint_modules=["tests.workloads"], scheduler_dwell_s=3.0
+    )
+    with LiveServer(settings) as live:
+        yield live
+
+
+@pytest.fixture
+def api(server: LiveServer) -> Iterator[httpx.Client]:
+    with server.client() as client:
+        yield client
+
+
+def paced_job(name: str, steps: int, step_s: float, scales: bool, **spec: Any) -> dict[str, Any]:
+    """A job whose steps take a set time (tests/workloads/paced.py): long enough to watch."""
+    job = elastic_job(steps)
+    job["name"] = name
+    job["workload"] = "tests.workloads.paced:train_loop"
+    job["hyperparameters"] |= {"step_s": step_s, "scales": scales}
+    return job | spec
+
+
+def sizes(api: httpx.Client, job_id: str) -> list[int]:
+    return [e["data"]["world_size"] for e in events(api, job_id, "attempt_started")]
+
+
+def scheduled(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
+    return [e["data"] for e in events(api, job_id, "scheduled")]
+
+
+def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
+    api: httpx.Client, tmp_path: Path
+) -> None:
+    low = api.post("/v1/jobs", json=paced_job("low", 300, 0.06, False, priority="low")).json()
+    wait_until(
+        api,
+        low["id"],
+        lambda j: j["state"] == "running" and j["world_size"] == 3 and j["step"] >= 20,
+        120,
+        "the low job training on the whole pool",
+    )
+    high_spec = paced_job("high", 30, 0.02, True, priority="high")
+    high_spec["scaling"] |= {"min_workers": 2, "max_workers": 2}
+    submitted = time.monotonic()
+    high = api.post("/v1/jobs", json=high_spec).json()
+    wait_for(
+        lambda: any(d["to_world"] == 1 for d in scheduled(api, low["id"])),
+        30,
+        what="the low job told to shrink",
+    )
+    wait_until(api, high["id"], lambda j: j["state"] == "running", 60, "the high job running")
+    started_in = time.monotonic() - submitted
+    assert wait_until_ended(api, high["id"])["state"] == "succeeded"
+    done = wait_until_ended(api, low["id"], timeout=240)
+
+    assert done["state"] == "succeeded" and done["step"] == 300
+    assert sizes(api, high["id"]) == [2]
+    for e in events(api, low["id"]):  # DEBUG
+        if e["kind"] not in ("metrics", "log", "checkpoint_saved", "checkpoint_removed"):
+            print(e["time"], e["kind"], e["data"])
+    assert sizes(api, low["id"]) == [3, 1, 3]
+    assert states(api, low["id"]) == ["queued", "starting", "running", "succeeded"]
+    why_shrunk = f"shrunk for job {high['id']} (priority 100)"
+    assert [(d["change"], d["from_world"], d["to_world"]) for d in scheduled(api, low["id"])] == [
+        ("shrink", 3, 1),
+        ("grow", 1, 3),
+    ]
+    shrink, grow = (e["data"] for e in events(api, low["id"], "resized"))
+    assert (shrink["to_world"], shrink["reason"], shrink["for_job"]) == (1, why_shrunk, high["id"])
+    assert (grow["to_world"], grow["reason"]) == (3, "grew into idle capacity")
+    # It paused at a step of its own choosing, with a checkpoint of that step: none redone.
+    assert shrink["steps_redone"] == grow["steps_redone"] == 0
+    assert started_in < 30, started_in
+    counted = samples_that_count(tmp_path / "checkpoints" / low["id"])
+    assert set(counted.values()) == {1}
+    assert len(counted) == 300 * BATCH - (300 // 16) * (16 * BATCH - DATASET)
+
+
+def test_quotas_hold_while_others_wait_and_idle_capacity_is_lent_then_taken_back(
+    server: LiveServer,
+) -> None:
+    """Alice, bob and carol may each hold one worker. Alice's burst of three jobs borrows the
+    idle pool; each of bob's and carol's jobs takes one borrowed worker back (that job of
+    alice's goes back to the queue, saying why); when bob's job ends, alice borrows again."""
+    one = paced_job("one", 1_000_000, 0.05, False)
+    one["scaling"] |= {"min_workers": 1, "max_workers": 1}
+    with server.client() as admin:
+        users = {
+            u: server.client(token=create_user_token(admin, u)) for u in ("alice", "bob", "carol")
+        }
+        for user in users:
+            r = admin.put(f"/v1/users/{user}/limits", json={"max_workers": 1})
+            assert r.status_code == 200, r.text
+        try:
+            alices = [
+                users["alice"].post("/v1/jobs", json=one | {"name": f"a{i}"}).json()
+                for i in range(3)
+            ]
+            view = wait_for(
+                lambda: (
+                    (q := admin.get("/v1/queue").json())
+                    and len([r for r in q["running"] if r["owner"] == "alice"]) == 3
+                    and q
+                ),
+                120,
+                what="alice's three jobs on the idle pool",
+            )
+            assert {r["job_id"] for r in view["running"]} == {j["id"] for j in alices}
+            assert sorted(r["borrowed"] for r in view["running"]) == [0, 1, 1]
+            assert view["queue"] == []
+
+            taken: list[str] = []
+            for user in ("bob", "carol"):
+                job = users[user].post("/v1/jobs", json=one | {"name": user}).json()
+                running = wait_for(
+                    lambda job=job: (
+                        (j := admin.get(f"/v1/jobs/{job['id']}").json())["state"] == "running" and j
+                    ),
+                    120,
+                    what=f"{user}'s job running",
+                )
+                assert running["world_size"] == 1
+                q = admin.get("/v1/queue").json()
+                held = {r["owner"]: 0 for r in q["running"]}
+                for r in q["running"]:
+                    held[r["owner"]] += r["size"]
+                # Alice gave back exactly one borrowed worker for each of them.
+                assert held == {
+                    "alice": 3 - len(taken) - 1,
+                    **{u: 1 for u in ("bob", "carol")[: len(taken) + 1]},
+                }
+                (back,) = [
+                    e for e in q["queue"] if e["owner"] == "alice" and e["job_id"] not in taken
+                ]
+                taken.append(back["job_id"])
+                assert admin.get(f"/v1/jobs/{back['job_id']}").json()["state"] == "queued"
+            for job_id in taken:
+                reasons = [
+                    e["data"]["reason"]
+                    for e in events(admin, job_id, "state")
+                    if e["data"]["state"] == "queued" and e["data"].get("previous") == "running"
+                ]
+                assert len(reasons) == 1 and "quota" in reasons[0], reasons
+            # Within quota, nobody waits: alice's two waiting jobs are over hers.
+            q = admin.get("/v1/queue").json()
+            assert sorted(e["job_id"] for e in q["queue"]) == sorted(taken)
+            assert all("quota" in e["reason"] for e in q["queue"])
+
+            # Bob's job ends: its worker is idle, and lent to alice again.
+            bobs = [r["job_id"] for r in q["running"] if r["owner"] == "bob"]
+            admin.post(f"/v1/jobs/{bobs[0]}/cancel")
+            wait_for(
+                lambda: (
+                    sum(
+                        r["size"]
+                        for r in admin.get("/v1/queue").json()["running"]
+                        if r["owner"] == "alice"
+                    )
+                    == 2
+                ),
+                120,
+                what="alice borrowing the worker bob's job left",
+            )
+        finally:
+            for job in admin.get("/v1/jobs", params={"limit": 100}).json()["items"]:
+                if job["state"] not in ("succeeded", "failed", "cancelled"):
+                    admin.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_spare_workers_go_to_the_job_that_speeds_up_with_them(api: httpx.Client) -> None:
+    """Two jobs of one priority: one whose steps take as long at any size, one that runs twice
+    as fast on twice the workers. After each was measured, the worker they contend for is
+    the second one's."""
+    flat = api.post("/v1/jobs", json=paced_job("flat", 100_000, 0.3, False)).json()
+    wait_until(
+        api,
+        flat["id"],
+        lambda j: j["state"] == "running" and j["world_size"] == 3 and j["step"] >= 6,
+        120,
+        "the flat job measured on the whole pool",
+    )
+    gains = api.post("/v1/jobs", json=paced_job("gains", 100_000, 0.3, True)).json()
+    wait_until(
+        api,
+        gains["id"],
+        lambda j: j["state"] == "running" and j["world_size"] == 2,
+        180,
+        "the job that gains at 2 workers",
+    )
+    assert get(api, flat["id"])["world_size"] == 1
+    assert sizes(api, gains["id"])[-1] == 2 and sizes(api, flat["id"])[-1] == 1
+    moves = [(d["change"], d["to_world"]) for d in scheduled(api, flat["id"])]
+    assert moves[-1] == ("shrink", 1), moves
+    for job in (flat, gains):
+        api.post(f"/v1/jobs/{job['id']}/cancel")
