@@ -168,7 +168,7 @@ def _solve(
     knobs: Knobs,
 ) -> list[_Job]:
     state = _State(nodes, jobs, quotas, now, knobs)
-    order = sorted(state.jobs, key=_order_key)
+    order = state.jobs  # already in decision order
     # Pass A within every owner's quota, then pass B lends what is left (borrowed).
     for within_quota in (True, False):
         _minimums(state, order, within_quota)
@@ -397,7 +397,7 @@ class _State:
         self.now, self.knobs, self.quotas = now, knobs, quotas
         self.packer = _Packer(nodes, keys)
         empty = _Packer(nodes, keys)
-        ordered = sorted(jobs, key=lambda r: _order_key_of(r))
+        ordered = sorted(jobs, key=_order_key_of)
         self.jobs: list[_Job] = []
         for i, rec in enumerate(ordered):
             d = rec.demand
@@ -448,10 +448,6 @@ def _order_key_of(rec: JobRecord) -> tuple[int, int, float, str]:
     # waiting for its quota); then first come first served.
     d = rec.demand
     return (-d.priority, 0 if rec.size > rec.borrowed else 1, d.submitted_at, d.job_id)
-
-
-def _order_key(job: _Job) -> int:
-    return job.index
 
 
 def _waited(job: _Job, now: float) -> float:
