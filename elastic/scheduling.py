@@ -141,17 +141,15 @@ def plan(
     # count more, recent changes dwell, packing keeps held workers in place), so the plan
     # for the records with this plan applied can differ. Iterate to a fixpoint (it takes
     # one or two rounds) so that planning again with the result applied keeps everyone.
-    records = list(jobs)
-    order = _solve(nodes, records, quotas, now, knobs)
+    order = _solve(nodes, jobs, quotas, now, knobs)
     for _ in range(_FIXPOINT_ROUNDS):
-        if all(
-            j.size == r.size and j.size - j.quota_size == r.borrowed
-            for j, r in _pairs(order, records)
-        ):
-            break
+        # The records as the caller will hold them once this plan is applied.
         sized = {j.rec.demand.job_id: j for j in order}
-        records = [_applied(r, sized[r.demand.job_id], now) for r in records]
-        order = _solve(nodes, records, quotas, now, knobs)
+        records = [_applied(r, sized[r.demand.job_id], now) for r in jobs]
+        again = _solve(nodes, records, quotas, now, knobs)
+        if all(_same(j, sized[j.rec.demand.job_id]) for j in again):
+            break
+        order = again
     # The changes are relative to what the caller's records hold.
     by_id = {r.demand.job_id: r for r in jobs}
     for j in order:
@@ -170,7 +168,7 @@ def _solve(
     knobs: Knobs,
 ) -> list[_Job]:
     state = _State(nodes, jobs, quotas, now, knobs)
-    order = sorted(state.jobs, key=_order_key)
+    order = state.jobs  # already in decision order
     # Pass A within every owner's quota, then pass B lends what is left (borrowed).
     for within_quota in (True, False):
         _minimums(state, order, within_quota)
@@ -181,9 +179,8 @@ def _solve(
     return order
 
 
-def _pairs(order: Sequence[_Job], records: Sequence[JobRecord]) -> list[tuple[_Job, JobRecord]]:
-    by_id = {r.demand.job_id: r for r in records}
-    return [(j, by_id[j.rec.demand.job_id]) for j in order]
+def _same(a: _Job, b: _Job) -> bool:
+    return a.size == b.size and a.quota_size == b.quota_size
 
 
 def _applied(rec: JobRecord, j: _Job, now: float) -> JobRecord:
@@ -414,7 +411,7 @@ class _State:
         self.now, self.knobs, self.quotas = now, knobs, quotas
         self.packer = _Packer(nodes, keys)
         empty = _Packer(nodes, keys)
-        ordered = sorted(jobs, key=lambda r: _order_key_of(r))
+        ordered = sorted(jobs, key=_order_key_of)
         self.jobs: list[_Job] = []
         for i, rec in enumerate(ordered):
             d = rec.demand
@@ -467,10 +464,6 @@ def _order_key_of(rec: JobRecord) -> tuple[int, int, float, str]:
     return (-d.priority, 0 if rec.size > rec.borrowed else 1, d.submitted_at, d.job_id)
 
 
-def _order_key(job: _Job) -> int:
-    return job.index
-
-
 def _waited(job: _Job, now: float) -> float:
     # A preempted job waits again from its preemption; its FCFS place stays its submission.
     return now - max(job.rec.demand.submitted_at, job.rec.changed_at if job.held == 0 else 0.0)
@@ -486,7 +479,7 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
         if not job.fits_empty:
             job.wait = f"waiting: needs {job.lo} workers, more than the cluster can hold"
             continue
-        blocker = _blocked_by(state, job, within_quota)
+        blocker = _blocked_by(state, job)
         if blocker:
             job.wait = f"waiting: job {blocker} has waited longest and starts first"
             continue
@@ -523,9 +516,9 @@ def _starving(state: _State, job: _Job) -> bool:
     return _queued(job) and _waited(job, state.now) > state.knobs.starvation_s
 
 
-def _blocked_by(state: _State, job: _Job, within_quota: bool) -> str:
+def _blocked_by(state: _State, job: _Job) -> str:
     """The id of the starving job that ``job`` (waiting) may not start ahead of, or ''."""
-    if not _queued(job) or (job.held > 0 and not within_quota):
+    if job.held > 0:
         return ""  # a running job keeps its minimum; blocks only hold back starts
     for block in (state.starving, state.owner_blocks.get(job.rec.demand.owner)):
         if block is None:
