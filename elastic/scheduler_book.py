@@ -74,6 +74,8 @@ class SchedulerBook:
         changed = False
         for job_id, placement in placements.items():
             record = self.jobs[job_id]
+            # Which of an owner's workers are lent: the next plan takes those back first.
+            record.borrowed = placement.borrowed
             if placement.size != record.size:
                 record.size, record.changed_at = placement.size, now
                 self.decisions[job_id] = placement

@@ -74,7 +74,7 @@ def scheduled(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
 def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     api: httpx.Client, tmp_path: Path
 ) -> None:
-    low = api.post("/v1/jobs", json=paced_job("low", 300, 0.06, False, priority="low")).json()
+    low = api.post("/v1/jobs", json=paced_job("low", 300, 0.15, True, priority="low")).json()
     wait_until(
         api,
         low["id"],

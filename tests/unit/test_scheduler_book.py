@@ -1,0 +1,83 @@
+"""The cluster scheduler's books (elastic/scheduler_book.py) without Ray: what a supervisor
+is told after each change, and what GET /v1/queue shows."""
+
+from __future__ import annotations
+
+from elastic.scheduler_book import SchedulerBook
+from elastic.scheduling import Change, Demand
+
+NODES = [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
+
+
+def demand(
+    job_id: str, owner: str = "alice", priority: int = 50, lo: int = 1, hi: int = 3, at: float = 0.0
+) -> Demand:
+    return Demand(job_id, owner, priority, lo, hi, {"CPU": 1.0}, at)
+
+
+def test_a_decision_is_booked_at_once_and_stays_news_until_it_changes() -> None:
+    book = SchedulerBook()
+    assert book.target("low") is None  # never registered: it sizes itself
+    book.register(demand("low", priority=0), now=1.0)
+    assert book.replan(NODES, now=1.0)
+    low = book.target("low")
+    assert low is not None and (low.size, low.change) == (3, Change.START)
+    assert not book.replan(NODES, now=2.0)  # nothing changed: no news, the decision stays
+    assert book.target("low") == low
+
+    book.register(demand("high", priority=100, lo=2, hi=2, at=3.0), now=3.0)
+    assert book.replan(NODES, now=3.0)
+    shrunk, started = book.target("low"), book.target("high")
+    assert shrunk is not None and started is not None
+    assert (shrunk.size, shrunk.change, shrunk.for_job) == (1, Change.SHRINK, "high")
+    assert shrunk.reason == "shrunk for job high (priority 100)"
+    assert (started.size, started.change) == (2, Change.START)
+    # Booked before either supervisor acts: a third low job finds no free worker.
+    book.register(demand("third", priority=0, lo=1, hi=1, at=4.0), now=4.0)
+    book.replan(NODES, now=4.0)
+    waiting = book.target("third")
+    assert waiting is not None and (waiting.size, waiting.change) == (0, Change.WAIT)
+
+    view = book.view()
+    assert [(e["job_id"], e["position"]) for e in view["queue"]] == [("third", 1)]
+    assert [(r["job_id"], r["size"], r["borrowed"]) for r in view["running"]] == [
+        ("high", 2, 0),
+        ("low", 1, 0),
+    ]
+
+    assert book.unregister("high") and not book.unregister("high")
+    assert book.target("high") is None
+    assert book.replan(NODES, now=5.0)
+    third = book.target("third")
+    assert third is not None and (third.size, third.change) == (1, Change.START)
+
+
+def test_an_owner_without_a_quota_of_their_own_gets_the_default() -> None:
+    book = SchedulerBook()
+    book.set_quotas({"*": {"workers": 1, "gpus": None}, "bob": {"workers": None, "gpus": None}})
+    book.register(demand("a1", at=1.0), now=1.0)
+    book.register(demand("b1", owner="bob", hi=1, at=2.0), now=2.0)
+    book.register(demand("a2", hi=1, at=3.0), now=3.0)
+    book.replan(NODES, now=3.0)
+    sizes = {j: p.size for j, p in book.placements.items()}
+    borrowed = {j: p.borrowed for j, p in book.placements.items()}
+    # Alice (the default: 1 worker) borrows the third worker; bob (no limit) holds his own.
+    assert sizes == {"a1": 2, "b1": 1, "a2": 0} or sizes == {"a1": 1, "b1": 1, "a2": 1}
+    assert sum(borrowed.values()) == 1 and borrowed["b1"] == 0
+    assert book.jobs["a1"].borrowed + book.jobs["a2"].borrowed == 1  # recorded back
+    assert book.view()["quotas"] == {
+        "*": {"workers": 1, "gpus": None},
+        "bob": {"workers": None, "gpus": None},
+    }
+
+
+def test_throughput_is_kept_per_size_and_nonsense_is_ignored() -> None:
+    book = SchedulerBook()
+    book.register(demand("j"), now=0.0)
+    book.observe("j", 2, 80.0)
+    book.observe("j", 3, 0.0)
+    book.observe("j", 0, 50.0)
+    book.observe("unknown", 2, 10.0)
+    assert book.jobs["j"].throughput == {2: 80.0}
+    book.register(demand("j", priority=100), now=9.0)  # a re-created supervisor: kept
+    assert book.jobs["j"].throughput == {2: 80.0} and book.jobs["j"].demand.priority == 100
