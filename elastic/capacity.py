@@ -289,12 +289,14 @@ class MembershipWatcher:
 
     async def register(self, demand: Demand, supervisor: str | None) -> None:
         await self._ensure_watching()  # its first decision needs the nodes
+        log.info("scheduler: %s registers", demand.job_id)
         self.book.register(demand, time.time())
         if supervisor is not None:
             self.supervisors[demand.job_id] = supervisor
         self._replan(force=True)
 
     async def unregister(self, job_id: str) -> None:
+        log.info("scheduler: %s unregisters", job_id)
         self.supervisors.pop(job_id, None)
         if self.book.unregister(job_id):
             self._replan(force=True)
@@ -349,6 +351,7 @@ class MembershipWatcher:
                 lambda: {job for job, actor in owners.items() if not actor_alive(actor)}
             )
             for job in dead:
+                log.warning("scheduler: the supervisor of %s is gone; its workers are free", job)
                 self.supervisors.pop(job, None)
                 self.book.unregister(job)
         self._replan()  # with fresh throughput, at most this often: sizes do not flap

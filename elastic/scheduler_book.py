@@ -14,6 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from elastic.scheduling import (
+    Change,
     Demand,
     JobRecord,
     Knobs,
@@ -81,9 +82,12 @@ class SchedulerBook:
                 self.decisions[job_id] = placement
                 changed = True
             elif job_id not in self.decisions or (
-                placement.size == 0 and placement.reason != self.decisions[job_id].reason
+                self.decisions[job_id].change is Change.WAIT
+                and placement.reason != self.decisions[job_id].reason
             ):
-                # A waiting job's reason (its place in the queue) is news for it too.
+                # A waiting job's reason (its place in the queue) is news for it too; a
+                # preemption's stays until its size changes (its supervisor may not have
+                # acted on it yet, and says why it went back to the queue).
                 self.decisions[job_id] = placement
                 changed = True
         self.placements = placements

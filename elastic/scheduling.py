@@ -437,7 +437,7 @@ class _State:
             return ""
         used = self.used.get(owner, [0.0, 0.0])
         if q.workers is not None and used[0] + count > q.workers + _EPS:
-            return f"waiting: {owner}'s quota of {q.workers} workers is in use"
+            return f"waiting: {owner}'s quota of {_workers(q.workers)} is in use"
         if q.gpus is not None and used[1] + count * job.gpus > q.gpus + _EPS:
             return f"waiting: {owner}'s quota of {q.gpus:g} GPUs is in use"
         return ""
@@ -477,7 +477,7 @@ def _minimums(state: _State, order: Sequence[_Job], within_quota: bool) -> None:
         if job.size > 0:
             continue
         if not job.fits_empty:
-            job.wait = f"waiting: needs {job.lo} workers, more than the cluster can hold"
+            job.wait = f"waiting: needs {_workers(job.lo)}, more than the cluster can hold"
             continue
         blocker = _blocked_by(state, job)
         if blocker:
@@ -558,7 +558,7 @@ def _capacity_reason(state: _State, job: _Job, order: Sequence[_Job], free: int)
     ahead = sum(1 for o in order if o.priority > job.priority and o.size == 0 and o.fits_empty)
     if ahead:
         return f"waiting: {ahead} job{'s' if ahead > 1 else ''} of higher priority ahead"
-    return f"waiting: only {free} of {job.lo} workers free"
+    return f"waiting: only {free} of {_workers(job.lo)} free"
 
 
 # -- step 2: extra workers -----------------------------------------------------------------
@@ -622,11 +622,11 @@ def _placement(job: _Job, order: Sequence[_Job]) -> Placement:
         return Placement(d.job_id, 0, Change.PREEMPT, f"preempted{why}", for_job)
     if old == 0:
         return Placement(
-            d.job_id, new, Change.START, f"started with {new} workers{lent}", None, borrowed
+            d.job_id, new, Change.START, f"started with {_workers(new)}{lent}", None, borrowed
         )
     if new == old:
         return Placement(
-            d.job_id, new, Change.KEEP, f"running with {new} workers{lent}", None, borrowed
+            d.job_id, new, Change.KEEP, f"running with {_workers(new)}{lent}", None, borrowed
         )
     if new > old:
         shrunk = any(o.held > 0 and o.size < o.held for o in order)
@@ -634,6 +634,10 @@ def _placement(job: _Job, order: Sequence[_Job]) -> Placement:
         return Placement(d.job_id, new, Change.GROW, why + lent, None, borrowed)
     why, for_job = _taken_by(job, order)
     return Placement(d.job_id, new, Change.SHRINK, f"shrunk{why}{lent}", for_job, borrowed)
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
 
 
 def _taken_by(victim: _Job, order: Sequence[_Job]) -> tuple[str, str | None]:

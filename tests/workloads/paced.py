@@ -30,6 +30,7 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
         max_steps=hp.max_steps,
         seed=hp.seed,
         report_every_steps=hp.report_every_steps,
+        record_samples=hp.record_samples,
     ):
         time.sleep(step_s / ctx.world_size if scales else step_s)
         ctx.train_step(batch, criterion)
