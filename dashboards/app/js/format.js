@@ -127,13 +127,16 @@ export function describeEvent(event) {
     }
     case "resized":
       return `resized ${d.from_world} → ${d.to_world} workers`
-        + (d.reason === "drain" ? " off a draining node" : "")
+        + (d.reason === "drain" ? " off a draining node" : d.reason ? ` (${d.reason})` : "")
         + (d.checkpoint_step != null ? ` from step ${d.checkpoint_step}` : "")
         + (d.steps_redone != null ? `, ${plural(d.steps_redone, "step")} redone` : "")
         + (d.recovery_seconds != null ? `, ${d.recovery_seconds.toFixed(1)} s to recover` : "");
     case "restored":
       return `restored the checkpoint of step ${d.checkpoint_step}`
         + (d.recovery_seconds != null ? ` (${d.recovery_seconds.toFixed(1)} s)` : "");
+    case "scheduled":
+      // The cluster's scheduler resized the job (or sent it back to the queue), and why.
+      return `scheduler: ${d.from_world} → ${plural(d.to_world, "worker")}, ${d.reason}`;
     case "checkpoint_saved":
       return `checkpoint saved at step ${d.step}`;
     case "checkpoint_corrupt":

@@ -8,7 +8,7 @@ import {
 } from "../format.js";
 
 const TIMELINE_KINDS = ["state", "attempt_started", "worker_lost", "resized", "restored",
-  "checkpoint_saved", "checkpoint_corrupt"];
+  "scheduled", "checkpoint_saved", "checkpoint_corrupt"];
 const MARKER_KINDS = new Set(["worker_lost", "resized", "restored"]);
 const TIMELINE_SHOWN = 300;
 const LOG_LINES_SHOWN = 1000;
