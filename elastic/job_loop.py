@@ -142,6 +142,10 @@ class JobLoop:
             wait = True
             fit = self._fit(snap)
             decided = snap.target
+            if decided is not None and not decided.fits:
+                # Not even its minimum packs into what is left of the cluster (nodes were
+                # lost): a shortage, as without a scheduler, with its grace while recovering.
+                decided = None
             cap = (
                 self.plan.max_workers
                 if decided is None
@@ -406,6 +410,7 @@ class JobLoop:
         decided = snap.target
         if (
             decided is None
+            or not decided.fits  # a cluster too small for its minimum is a loss, not an order
             or attempt.shrink is not None
             or decided.size >= attempt.world_size
             or self.state != "running"
@@ -441,8 +446,8 @@ class JobLoop:
             await self._tell_throughput()
             self._leave_draining_nodes(attempt, snap)
             decided = snap.target
-            if decided is None or told is None or self.state != "running":
-                continue
+            if decided is None or not decided.fits or told is None or self.state != "running":
+                continue  # (a cluster too small for its minimum is a loss, not an order)
             size = min(decided.size, self.plan.max_workers)
             if size < self.plan.min_workers:  # preempted: every replica leaves at a step
                 if attempt.shrink is None:

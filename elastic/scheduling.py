@@ -114,6 +114,9 @@ class Placement:
     # "waiting: alice's quota of 4 workers is in use", "waiting behind 2 jobs of priority 100"
     for_job: str | None = None  # the job a shrink or preemption made room for
     borrowed: int = 0  # workers beyond the owner's quota (taken back first)
+    # Whether its minimum packs into the live cluster were it empty: a job that cannot (its
+    # nodes were lost) is short of capacity, not held back by the queue.
+    fits: bool = True
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def plan(
     by_id = {r.demand.job_id: r for r in jobs}
     for j in order:
         j.rec = by_id[j.rec.demand.job_id]
-    return {j.rec.demand.job_id: _placement(j, order) for j in order}
+    return {j.rec.demand.job_id: replace(_placement(j, order), fits=j.fits_empty) for j in order}
 
 
 _FIXPOINT_ROUNDS = 3

@@ -106,6 +106,7 @@ class InPlaceRunner:
                     {*runs, stop, grow}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED
                 )
                 grow.cancel()
+                done.discard(grow)
                 if stop in done:
                     return AttemptOutcome()
                 if self.grow.is_set():  # the scheduler gave the job more workers

@@ -193,7 +193,13 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
 
             note = wait_for(recreated, timeout=60, what="the vanished job's new supervisor")
             assert note["data"]["checkpoint_step"] == HOLD_AT
-            assert client.get(f"/v1/jobs/{vanished}").json()["state"] in {"recovering", "running"}
+            # While it had no supervisor, the scheduler may have given its node to the waiting
+            # job: then it waits in the queue (its reason says so) rather than recovers.
+            assert client.get(f"/v1/jobs/{vanished}").json()["state"] in {
+                "recovering",
+                "running",
+                "queued",
+            }
             # Cancelled, it gives back its node (whether it had won it again or not): the
             # waiting job starts.
             assert client.post(f"/v1/jobs/{vanished}/cancel").json()["state"] == "cancelled"

@@ -71,10 +71,14 @@ def scheduled(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     return [e["data"] for e in events(api, job_id, "scheduled")]
 
 
+@pytest.mark.parametrize("mode", ["restart", "in_place"])
 def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
-    api: httpx.Client, tmp_path: Path
+    api: httpx.Client, tmp_path: Path, mode: str
 ) -> None:
-    low = api.post("/v1/jobs", json=paced_job("low", 300, 0.15, True, priority="low")).json()
+    """Restart mode pauses at a step and goes on from its checkpoint on the warm workers it
+    keeps; in place, the replicas beyond the new size leave at a step and joiners heal in."""
+    low_spec = paced_job("low", 300, 0.15, True, priority="low", fault_tolerance=mode)
+    low = api.post("/v1/jobs", json=low_spec).json()
     wait_until(
         api,
         low["id"],
@@ -98,18 +102,30 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
 
     assert done["state"] == "succeeded" and done["step"] == 300
     assert sizes(api, high["id"]) == [2]
-    assert sizes(api, low["id"]) == [3, 1, 3]
     assert states(api, low["id"]) == ["queued", "starting", "running", "succeeded"]
     why_shrunk = f"shrunk for job {high['id']} (priority 100)"
-    assert [(d["change"], d["from_world"], d["to_world"]) for d in scheduled(api, low["id"])] == [
+    told = scheduled(api, low["id"])
+    assert [(d["change"], d["from_world"], d["to_world"]) for d in told] == [
         ("shrink", 3, 1),
         ("grow", 1, 3),
     ]
-    shrink, grow = (e["data"] for e in events(api, low["id"], "resized"))
-    assert (shrink["to_world"], shrink["reason"], shrink["for_job"]) == (1, why_shrunk, high["id"])
-    assert (grow["to_world"], grow["reason"]) == (3, "grew into idle capacity")
-    # It paused at a step of its own choosing, with a checkpoint of that step: none redone.
-    assert shrink["steps_redone"] == grow["steps_redone"] == 0
+    assert (told[0]["reason"], told[0]["for_job"]) == (why_shrunk, high["id"])
+    assert told[1]["reason"] == "grew into idle capacity"
+    resized = [e["data"] for e in events(api, low["id"], "resized")]
+    if mode == "restart":
+        assert sizes(api, low["id"]) == [3, 1, 3]
+        shrink, grow = resized
+        assert (shrink["to_world"], shrink["reason"], shrink["for_job"]) == (
+            1,
+            why_shrunk,
+            high["id"],
+        )
+        assert (grow["to_world"], grow["reason"]) == (3, "grew into idle capacity")
+        # It paused at a step of its own choosing, with a checkpoint of that step: none redone.
+        assert shrink["steps_redone"] == grow["steps_redone"] == 0
+    else:
+        assert sizes(api, low["id"]) == [3]  # one attempt: the quorum went on through both
+        assert resized[0]["to_world"] == 1 and resized[-1]["to_world"] == 3
     assert started_in < 30, started_in
     counted = samples_that_count(tmp_path / "checkpoints" / low["id"])
     assert set(counted.values()) == {1}
