@@ -598,13 +598,15 @@ def _gain(state: _State, job: _Job, within_quota: bool) -> float:
 
 def _greedy(state: _State, jobs: Sequence[_Job], within_quota: bool) -> None:
     """Each next worker to the job it raises most (Pollux-like); ties to the earlier job. A
-    worker that raises no job's measured throughput stays free (for the next job to start
-    at once) rather than go to a job that was measured not to gain from it."""
+    free worker that raises no job's measured throughput stays free (for the next job to
+    start at once); one a job holds stays with it unless another job gains from it (a noisy
+    measurement must not shrink a job that nobody else needs the workers of)."""
     heap = [(-_gain(state, j, within_quota), j.index, j) for j in jobs]
     heapq.heapify(heap)
     while heap:
         neg, _, job = heapq.heappop(heap)
-        if -neg <= _EPS or not state.give(job, 1, within_quota):
+        adds_nothing = -neg <= _EPS and job.size >= _held(job, within_quota)
+        if adds_nothing or not state.give(job, 1, within_quota):
             continue  # adds nothing, or does not fit: this job grows no further
         if job.size < job.hi:
             heapq.heappush(heap, (-_gain(state, job, within_quota), job.index, job))
