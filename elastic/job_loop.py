@@ -411,6 +411,7 @@ class JobLoop:
         if (
             decided is None
             or not decided.fits  # a cluster too small for its minimum is a loss, not an order
+            or decided.for_job is None  # a node lost or draining: that path handles it
             or attempt.shrink is not None
             or decided.size >= attempt.world_size
             or self.state != "running"
@@ -455,7 +456,9 @@ class JobLoop:
                     self._tell_scheduled(decided, told, 0)
                     self.runner.resize(0)
                 continue
-            if size != told:
+            if size > told or (size < told and decided.for_job is not None):
+                # A shrink for nobody is the cluster losing a node: the runner already
+                # replaces the lost replica, waiting for capacity, as without a scheduler.
                 self._tell_scheduled(decided, told, size)
                 self.runner.resize(size)
                 told = size
