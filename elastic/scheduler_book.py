@@ -10,7 +10,7 @@ counted as its own before it starts, so no other job is told it may take them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from elastic.scheduling import (
@@ -71,7 +71,10 @@ class SchedulerBook:
         if not self.jobs:
             self.placements = {}
             return False
-        placements = plan(nodes, list(self.jobs.values()), self._quotas_by_owner(), now, self.knobs)
+        records, quotas = list(self.jobs.values()), self._quotas_by_owner()
+        placements = plan(nodes, records, quotas, now, self.knobs)
+        if all(p.size > 0 for p in placements.values()):
+            placements = _fill_idle(nodes, records, quotas, now, self.knobs, placements)
         changed = False
         for job_id, placement in placements.items():
             record = self.jobs[job_id]
@@ -130,3 +133,23 @@ class SchedulerBook:
             if quota is not None:
                 quotas[owner] = quota
         return quotas
+
+
+def _fill_idle(
+    nodes: Sequence[Mapping[str, float]],
+    records: list[JobRecord],
+    quotas: Mapping[str, Quota],
+    now: float,
+    knobs: Knobs,
+    placements: dict[str, Placement],
+) -> dict[str, Placement]:
+    """With nobody waiting, workers idle because no job's measured throughput gains from
+    them go to the jobs below their max_workers after all: a job alone on an idle cluster
+    grows back to its max when capacity returns, whatever a noisy measurement said. The
+    same plan with every curve unknown (each job looks scalable) gives them; taken only
+    when it shrinks nobody, so it moves no worker between jobs."""
+    blind = [replace(r, throughput={}) for r in records]
+    filled = plan(nodes, blind, quotas, now, knobs)
+    if any(filled[j].size < p.size for j, p in placements.items()):
+        return placements
+    return filled

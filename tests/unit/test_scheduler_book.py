@@ -81,3 +81,19 @@ def test_throughput_is_kept_per_size_and_nonsense_is_ignored() -> None:
     assert book.jobs["j"].throughput == {2: 80.0}
     book.register(demand("j", priority=100), now=9.0)  # a re-created supervisor: kept
     assert book.jobs["j"].throughput == {2: 80.0} and book.jobs["j"].demand.priority == 100
+
+
+def test_with_nobody_waiting_idle_workers_go_to_a_job_measured_not_to_gain() -> None:
+    """A noisy measurement (no faster at 3 than at 1) must not keep a job alone on an idle
+    cluster from growing back: the workers would sit idle for nobody."""
+    book = SchedulerBook()
+    book.register(demand("flat"), now=0.0)
+    book.observe("flat", 1, 100.0)
+    book.observe("flat", 3, 99.0)
+    book.replan(NODES, now=0.0)
+    flat = book.target("flat")
+    assert flat is not None and flat.size == 3
+    # With another job waiting, the policy's own sharing decides: the idle workers are its.
+    book.register(demand("next", hi=2, at=1.0), now=100.0)
+    book.replan(NODES, now=100.0)
+    assert {j: p.size for j, p in book.placements.items()} == {"flat": 1, "next": 2}
