@@ -95,8 +95,8 @@ class _Work:
 def test_a_blocked_collective_is_abandoned_on_request() -> None:
     abort, manager, work = StepAbort(), _Manager(), _Work()
     abort.new_step()
+    t0 = time.monotonic()  # before the timer starts: it fires no sooner than 0.2 s after
     threading.Timer(0.2, abort.request, args=(0.0,)).start()
-    t0 = time.monotonic()
     assert abort.wait_all([work], manager) is False
     assert 0.2 <= time.monotonic() - t0 < 0.5
     assert [type(e) for e in manager.errors] == [PeerLost]
