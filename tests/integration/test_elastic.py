@@ -371,8 +371,9 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     api: httpx.Client, pool: ClusterPool, tmp_path: Path
 ) -> None:
     """Restart mode keeps its workers between attempts: after a node's loss the next attempt
-    (2 workers, from the newest checkpoint) runs in the two surviving processes, not in new
-    ones; the node added back brings one new worker beside them. Every sample once."""
+    (2 workers, from the newest checkpoint) runs in the surviving processes (both, but for a
+    known outlier), not in new ones; the node added back brings one new worker beside them.
+    Every sample once."""
     steps = 160
     job = api.post("/v1/jobs", json=elastic_job(steps)).json()
     wait_until(api, job["id"], lambda j: j["step"] >= 25 and j["world_size"] == 3, 180, "3 workers")
@@ -394,7 +395,12 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     # The same two actors and processes as before the loss: no worker process was started.
     # (Ray may list the dead node's actor as alive for seconds: its node is left out.)
     survivors = {a: w for a, w in warm_workers().items() if w[1] != victim.node_id}
-    assert survivors == {a: w for a, w in before.items() if a != killed}, first_at_2 - killed_at
+    kept = {a: w for a, w in before.items() if a != killed}
+    # Usually both (about 2 s to the first step at 2). The known outlier (README, Measured
+    # here, 8-10 s): a survivor whose collective stays blocked past the settle bounds is
+    # killed and replaced by a new worker; the other is still reused. Never neither.
+    reused = {a: w for a, w in survivors.items() if kept.get(a) == w}
+    assert len(reused) >= 1 and len(survivors) == 2, (survivors, kept, first_at_2 - killed_at)
     pool.add_node()
     done = wait_until_ended(api, job["id"])
 
