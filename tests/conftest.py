@@ -100,15 +100,21 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
     for pg_id, pg in placement_group_table().items():
         if pg["state"] != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-    if killed:
-        wait_for(
-            lambda: (
-                ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0)
-            ),
-            timeout_s,
-            what="the pool's CPUs to be free after ending the leftover jobs",
-        )
+    wait_until_the_pool_is_free(timeout_s)
     return killed
+
+
+def wait_until_the_pool_is_free(timeout_s: float = 60.0) -> None:
+    """Every CPU of the cluster free: a job that ended by itself (or was killed above) hands
+    its workers back asynchronously, and the next test's job must not start on what is
+    left (it would start smaller and grow, which some tests count)."""
+    import ray
+
+    wait_for(
+        lambda: ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0),
+        timeout_s,
+        what="the pool's CPUs to be free after the test's jobs",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -122,6 +128,7 @@ def no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     end_every_job()
     pool.restore_pool()
+    wait_until_the_pool_is_free()
 
 
 def free_port() -> int:

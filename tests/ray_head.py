@@ -1,13 +1,20 @@
 """A separate Ray head and an `etrain serve` pointed at it, as subprocesses: for the tests
-that need a Ray the suite's own cluster cannot be (token auth, GCS fault tolerance)."""
+that need a Ray the suite's own cluster cannot be (token auth, GCS fault tolerance), or
+that must not hold its pool while they wait (the API restarts' downtimes)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from tests.conftest import TOKEN, free_port
+from tests.conftest import TOKEN, free_port, wait_for
 
 
 def clean_env() -> dict[str, str]:
@@ -18,9 +25,9 @@ def clean_env() -> dict[str, str]:
     return env | {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def head_command(port: int, temp: str, *, block: bool) -> list[str]:
-    """`ray start --head` on loopback with 2 CPUs, no dashboard, and ports of its own.
-    ``temp`` must be a short path (Ray's socket paths are limited)."""
+def head_command(port: int, temp: str, *, block: bool, num_cpus: int = 2) -> list[str]:
+    """`ray start --head` on loopback with ``num_cpus`` CPUs, no dashboard, and ports of its
+    own. ``temp`` must be a short path (Ray's socket paths are limited)."""
     return [
         str(Path(sys.executable).with_name("ray")),
         "start",
@@ -28,7 +35,7 @@ def head_command(port: int, temp: str, *, block: bool) -> list[str]:
         *(["--block"] if block else []),
         f"--port={port}",
         "--node-ip-address=127.0.0.1",
-        "--num-cpus=2",
+        f"--num-cpus={num_cpus}",
         "--include-dashboard=false",
         f"--dashboard-agent-listen-port={free_port()}",
         f"--ray-client-server-port={free_port()}",
@@ -46,3 +53,42 @@ def serve_env(tmp: Path, address: str, port: int) -> dict[str, str]:
         "ETRAIN_RAY_ADDRESS": address,
         "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
     }
+
+
+@contextmanager
+def blocking_head(
+    env: dict[str, str], *, num_cpus: int = 2, prefix: str = "ehead-"
+) -> Iterator[str]:
+    """A Ray head in its own process group (`ray start --block`), killed whole at the end;
+    yields its address once a driver with ``env`` can connect to it."""
+    port = free_port()
+    # Ray's socket paths must stay short: a fresh directory right under /tmp.
+    temp = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    head = subprocess.Popen(
+        head_command(port, temp, block=True, num_cpus=num_cpus),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        probe = [sys.executable, "-c", f"import ray; ray.init(address='{address}')"]
+        wait_for(
+            lambda: (
+                head.poll() is None
+                and subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0
+            ),
+            timeout=120,
+            interval=1,
+            what=f"the Ray head at {address} to accept a driver",
+        )
+        yield address
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(head.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+        head.wait(timeout=30)

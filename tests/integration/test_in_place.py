@@ -278,14 +278,16 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
     replica, the survivor's node dies too. The joiner never trains on a half-sent state:
     it heals from the other survivor, and the job goes on without a restart, exact."""
     arm, release = tmp_path / "heal-arm", tmp_path / "heal-release"
+    pace = tmp_path / "pace"
     spec = in_place_job(STEPS)
     spec["workload"] = "tests.workloads.held_heal:train_loop"
-    spec["hyperparameters"].update(heal_arm=str(arm), heal_release=str(release))
+    spec["hyperparameters"].update(heal_arm=str(arm), heal_release=str(release), pace=str(pace))
     job = start_at_three_replicas(api, tmp_path / "checkpoints", spec)
     pool.kill_node(pool.pool[0])
     at_two = wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "2 replicas")
     wait_until(api, job["id"], lambda j: j["step"] >= at_two["step"] + 5, 60, "training at 2")
     arm.touch()  # the next heal is held
+    pace.touch()  # the job trains on until the last joiner has started
     pool.add_node()
 
     def sender() -> str | None:
@@ -300,6 +302,7 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
     wait_until(api, job["id"], lambda j: j["world_size"] == 2, 60, "the joiner healed")
     pool.add_node()
     wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "3 replicas again")
+    pace.unlink()
     losses = succeeded_without_restart(api, job["id"])
     print("in place, the heal's sender killed:", losses)
     # Both losses reported, each naming the one replica it lost. The second is usually

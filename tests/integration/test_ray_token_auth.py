@@ -5,11 +5,9 @@ saying the token was refused. Everything on loopback; the head is this module's 
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import TOKEN, free_port, small_job, wait_for
-from tests.ray_head import clean_env, head_command, serve_env
+from tests.ray_head import blocking_head, clean_env, serve_env
 
 RAY_TOKEN = "elastic-train-test-ray-token-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,41 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def token_head() -> Iterator[str]:
     """A Ray head with token auth in its own process group (killed whole at the end)."""
-    port = free_port()
-    # Ray's socket paths must stay short: a fresh directory right under /tmp.
-    temp = tempfile.mkdtemp(prefix="etok-", dir="/tmp")
-    env = clean_env() | {
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": RAY_TOKEN,
-    }
-    head = subprocess.Popen(
-        head_command(port, temp, block=True),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
-    try:
-        probe = [sys.executable, "-c", f"import ray; ray.init(address='{address}')"]
-        wait_for(
-            lambda: (
-                head.poll() is None
-                and subprocess.run(probe, env=env, capture_output=True, timeout=60).returncode == 0
-            ),
-            timeout=120,
-            interval=1,
-            what="the token-auth Ray head to accept its token",
-        )
+    env = clean_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": RAY_TOKEN}
+    with blocking_head(env, prefix="etok-") as address:
         yield address
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(head.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(2)
-        head.wait(timeout=30)
 
 
 def _serve(tmp: Path, address: str, ray_token: str | None) -> tuple[subprocess.Popen[str], str]:

@@ -1,11 +1,12 @@
 """The API process dies (SIGKILL) while jobs run, and comes back after 0, 20 and 60 s; then it
 is stopped gracefully (SIGTERM) with a live stream open. A real `etrain serve` subprocess on
-the session's Ray cluster (ETRAIN_RAY_ADDRESS), the same data dir and database throughout."""
+a Ray head of this module's own with three CPUs (ETRAIN_RAY_ADDRESS), the same data dir and
+database throughout. Not on the session's shared pool: the downtimes would hold it idle for
+80 s while other tests could use it."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,13 +19,21 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
 
 from jobs.launcher import supervisor_name
 from tests.conftest import NAMESPACE, TOKEN, all_events, free_port, wait_for
 from tests.integration.test_streams import SSE, iter_sse
+from tests.ray_head import blocking_head, clean_env
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def ray_env() -> dict[str, str]:
+    """For the head, the service and drivers alike: `ray start` turns token auth on by itself
+    when ~/.ray/auth_token exists (another test may leave one); this module is not about it."""
+    return clean_env() | {"RAY_AUTH_MODE": "disabled"}
+
+
 HOLD_AT, MAX_STEPS = 10, 30
 
 
@@ -35,8 +44,9 @@ class Api:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = data_dir / "serve.log"
+        self.ray_address = ray_address
         self.env = {
-            **os.environ,
+            **ray_env(),
             "ETRAIN_RAY_ADDRESS": ray_address,
             "ETRAIN_RAY_NAMESPACE": NAMESPACE,
             "ETRAIN_DATA_DIR": str(data_dir),
@@ -77,6 +87,17 @@ class Api:
         return httpx.Client(
             base_url=self.url, timeout=30, headers={"Authorization": f"Bearer {TOKEN}"}
         )
+
+    def kill_supervisor(self, job_id: str) -> None:
+        """The job's Ray side vanishes: its supervisor actor is killed, from a driver of its
+        own (this test process talks to no Ray)."""
+        name = supervisor_name(job_id)
+        code = (
+            "import ray; "
+            f"ray.init(address={self.ray_address!r}, namespace={NAMESPACE!r}); "
+            f"ray.kill(ray.get_actor({name!r}), no_restart=True)"
+        )
+        subprocess.run([sys.executable, "-c", code], env=ray_env(), check=True, timeout=120)
 
 
 def gated_job(name: str, gate: Path) -> dict[str, Any]:
@@ -128,14 +149,12 @@ def reasons(client: httpx.Client, job_id: str) -> list[tuple[str, str, Any]]:
 
 
 @pytest.fixture
-def api(ray_cluster: Any, tmp_path: Path) -> Iterator[Api]:
-    server = Api(ray_cluster.cluster.address, tmp_path)
-    yield server
-    if server.proc is not None:
-        server.kill()
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == NAMESPACE and actor["name"].startswith(supervisor_name("")):
-            ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+def api(tmp_path: Path) -> Iterator[Api]:
+    with blocking_head(ray_env(), num_cpus=3, prefix="erst-") as address:
+        server = Api(address, tmp_path)
+        yield server
+        if server.proc is not None:
+            server.kill()
 
 
 def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path) -> None:
@@ -173,9 +192,10 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
 
     for downtime in (0, 20, 60):
         assert api.kill() == -signal.SIGKILL
+        down_at = time.monotonic()
         if downtime == 60:  # one job's Ray side vanishes while the API is down
-            ray.kill(ray.get_actor(supervisor_name(vanished), namespace=NAMESPACE), no_restart=True)
-        time.sleep(downtime)
+            api.kill_supervisor(vanished)
+        time.sleep(max(0.0, downtime - (time.monotonic() - down_at)))
         api.start()
         with api.client() as client:
             if downtime < 60:
