@@ -40,11 +40,13 @@ $(CHROMIUM):
 run: $(RUN_STAMP) $(JS_STAMP)
 	$(VENV)/bin/etrain serve
 
+# Two pytest-xdist workers: the shared Ray pool's tests on one, the rest beside them
+# (tests/conftest.py says how they share the machine).
 test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -ra --durations=15
+	$(PY) -m pytest -ra --durations=15 -n 2 --dist loadgroup
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples

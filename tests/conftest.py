@@ -1,9 +1,18 @@
-"""Shared test fixtures: one real Ray cluster per session, real servers on loopback."""
+"""Shared test fixtures: one real Ray cluster per session, real servers on loopback.
+
+`make test` runs the suite on two pytest-xdist workers. Every test that uses the shared
+cluster runs on one of them, in order (the pool is one set of nodes that tests kill and
+add back); the other worker takes the rest: unit tests, and the tests that start a Ray or a
+service of their own. Tests marked ``alone`` time what they check (a pause under a bound):
+while one runs, the other worker's tests wait, so that it has the machine to itself.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +32,53 @@ STORE_BACKENDS = ["sqlite", *(["postgresql"] if os.environ.get(PG_URL_ENV) else 
 
 
 POOL_SIZE = 3
+POOL_GROUP = "ray-pool"
+# Modules that start a Ray head or a service of their own: first on the other worker, so
+# that they are done before the pool's worker reaches its ``alone`` tests (kept last).
+STARTS_ITS_OWN = (
+    "test_restarts",
+    "test_installed_service",
+    "test_gcs_ft",
+    "test_ray_token_auth",
+    "test_security_server",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def order(item: pytest.Item) -> int:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        if "ray_cluster" in item.fixturenames:
+            return 2 if item.get_closest_marker("alone") else 1
+        return 0 if module in STARTS_ITS_OWN else 1
+
+    for item in items:
+        if "ray_cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group(POOL_GROUP))
+    items.sort(key=order)  # stable: within a rank, the files' own order
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under xdist: an ``alone`` test holds the machine exclusively; a test off the pool holds
+    it shared. A readers-writer lock on two files: a waiting ``alone`` test holds the
+    turnstile, so that no new shared holder slips in ahead of it."""
+    worker = getattr(request.config, "workerinput", None)
+    alone = request.node.get_closest_marker("alone") is not None
+    if worker is None or not (alone or "ray_cluster" not in request.fixturenames):
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"etrain-tests-{worker['testrunuid']}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.machine", "a") as machine:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 class ClusterPool:
@@ -42,6 +98,17 @@ class ClusterPool:
         """A real node failure: the raylet and its workers are killed, not shut down."""
         self.pool.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
+
+    def kill_nodes_at_once(self, nodes: list[Any]) -> None:
+        """Nodes that fail at the same instant: their raylets are SIGKILLed together (each
+        node's workers end with their raylet), then the rest of each node's processes."""
+        from ray._private import ray_constants
+
+        for node in nodes:
+            for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+                info.process.kill()
+        for node in nodes:
+            self.kill_node(node)
 
     def restore_pool(self) -> None:
         while len(self.pool) < POOL_SIZE:

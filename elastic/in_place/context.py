@@ -86,6 +86,12 @@ class InPlaceContext(TrainContext):
         self._logs_open = False
         self._buckets: GradientBuckets | None = None  # built at the first step
 
+    @property
+    def participants(self) -> int:
+        """How many replicas train the current step (its quorum's size). ``world_size`` stays
+        1 in place: each replica is a world of its own, and evaluates on its own."""
+        return self._participants
+
     # -- the heal state: every replicated checkpoint part ------------------------------------
 
     def _heal_state(self) -> dict[str, Any]:

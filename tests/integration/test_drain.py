@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import (
     POOL_SIZE,
@@ -26,6 +27,9 @@ from tests.conftest import (
     small_job,
     wait_for,
 )
+
+# A drain is timed here against Ray's deadline: the machine to itself (tests/conftest.py).
+pytestmark = pytest.mark.alone
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 # The drain's deadline: what a spot notice gives (2 min on AWS, 30 s on GCP) is beyond the

@@ -28,6 +28,9 @@ from tests.conftest import (
     wait_until_ended,
 )
 
+# Recovery is timed here (from the kill): the machine to itself, see tests/conftest.py.
+pytestmark = pytest.mark.alone
+
 DATASET = 1000
 BATCH = 63  # splits unevenly over 2 workers: shares of 32 and 31
 

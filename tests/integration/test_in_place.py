@@ -29,7 +29,7 @@ from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
 )
 from tests.integration.test_elastic import get as get_job
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.alone]
 
 # The survivors' longest pause around a loss. A peer whose sockets reset (its process
 # died; a replica ends within 50 ms of its raylet, elastic/in_place/orphan.py) fails their
@@ -196,18 +196,18 @@ def test_a_node_dies_the_survivors_train_on_and_a_returning_node_joins_in_place(
     assert_exact(api, job["id"], tmp_path / "checkpoints")
 
 
-def test_two_nodes_killed_in_a_row_leave_one_replica_training_and_both_rejoin(
+def test_two_nodes_killed_at_once_leave_one_replica_training_and_both_rejoin(
     api: httpx.Client,  # noqa: F811
     pool: ClusterPool,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """A second loss while the job still recovers from the first: the last replica trains
-    on alone, from the same step, and the two nodes added back join it."""
+    """Two nodes fail at the same instant: the last replica trains on alone, from the same
+    step, and the two nodes added back join it. (Not covered, README "Known limits": a
+    replica that dies after it joined the survivors' next quorum, before that quorum's
+    process group is up, holds them for the collective timeout.)"""
     root = tmp_path / "checkpoints"
     job = start_at_three_replicas(api, root)
-    first, second = pool.pool[0], pool.pool[1]
-    pool.kill_node(first)
-    pool.kill_node(second)  # at once: the quorum has not re-formed yet
+    pool.kill_nodes_at_once([pool.pool[0], pool.pool[1]])
     at_one = wait_until(api, job["id"], lambda j: j["world_size"] == 1, 60, "1 replica")
     wait_until(api, job["id"], lambda j: j["step"] >= at_one["step"] + 10, 60, "training alone")
     pool.add_node()

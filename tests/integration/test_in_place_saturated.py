@@ -19,7 +19,7 @@ from tests.conftest import ClusterPool, wait_until_ended
 from tests.integration.test_elastic import api, events, get, pool, wait_until  # noqa: F401
 from tests.integration.test_in_place import in_place_job
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.alone]
 
 SATURATED_S = float(os.environ.get("ETRAIN_TEST_SATURATED_S", "30"))
 # Two spinning processes per core: each replica (and Ray, and the lighthouse, and the

@@ -111,24 +111,27 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     assert states(api, low["id"]) == ["queued", "starting", "running", "succeeded"]
     why_shrunk = f"shrunk for job {high['id']} (priority 100)"
     told = scheduled(api, low["id"])
-    assert [(d["change"], d["from_world"], d["to_world"]) for d in told] == [
-        ("shrink", 3, 1),
-        ("grow", 1, 3),
-    ]
+    # Back to 3 at once, or in two steps when the high job's two workers were handed back
+    # to Ray a poll apart (seen on a loaded machine): 1 -> 2 -> 3.
+    back = [(d["from_world"], d["to_world"]) for d in told[1:]]
+    assert back in ([(1, 3)], [(1, 2), (2, 3)]), told
+    assert (told[0]["change"], told[0]["from_world"], told[0]["to_world"]) == ("shrink", 3, 1)
     assert (told[0]["reason"], told[0]["for_job"]) == (why_shrunk, high["id"])
-    assert told[1]["reason"] == "grew into idle capacity"
+    assert {(d["change"], d["reason"]) for d in told[1:]} == {("grow", "grew into idle capacity")}
     resized = [e["data"] for e in events(api, low["id"], "resized")]
     if mode == "restart":
-        assert sizes(api, low["id"]) == [3, 1, 3]
-        shrink, grow = resized
+        assert sizes(api, low["id"]) == [3, 1, *(to for _, to in back)]
+        shrink, *grows = resized
         assert (shrink["to_world"], shrink["reason"], shrink["for_job"]) == (
             1,
             why_shrunk,
             high["id"],
         )
-        assert (grow["to_world"], grow["reason"]) == (3, "grew into idle capacity")
+        assert [(g["to_world"], g["reason"]) for g in grows] == [
+            (to, "grew into idle capacity") for _, to in back
+        ]
         # It paused at a step of its own choosing, with a checkpoint of that step: none redone.
-        assert shrink["steps_redone"] == grow["steps_redone"] == 0
+        assert {shrink["steps_redone"], *(g["steps_redone"] for g in grows)} == {0}
     else:
         assert sizes(api, low["id"]) == [3]  # one attempt: the quorum went on through both
         assert resized[0]["to_world"] == 1 and resized[-1]["to_world"] == 3

@@ -32,5 +32,7 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
         report_every_steps=hp.report_every_steps,
         record_samples=hp.record_samples,
     ):
-        time.sleep(step_s / ctx.world_size if scales else step_s)
+        # In place, the workers training the step are the quorum's replicas.
+        workers = getattr(ctx, "participants", ctx.world_size)
+        time.sleep(step_s / workers if scales else step_s)
         ctx.train_step(batch, criterion)
