@@ -2,11 +2,9 @@
 
 `make test` runs the suite on two pytest-xdist workers. Every test that uses the shared
 cluster runs on one of them, in order (the pool is one set of nodes that tests kill and
-add back); the other worker takes the rest: unit tests, the tests that start a Ray or a
-service of their own, and the scheduler's tests, on a second cluster of their own (its
-jobs mostly sleep through paced steps). Tests marked ``alone`` time what they check (a
-pause under a bound): while one runs, the other worker's tests wait, so that it has the
-machine to itself.
+add back); the other worker takes the rest: unit tests, and the tests that start a Ray or a
+service of their own. Tests marked ``alone`` time what they check (a pause under a bound):
+while one runs, the other worker's tests wait, so that it has the machine to itself.
 """
 
 from __future__ import annotations
@@ -35,9 +33,6 @@ STORE_BACKENDS = ["sqlite", *(["postgresql"] if os.environ.get(PG_URL_ENV) else 
 
 POOL_SIZE = 3
 POOL_GROUP = "ray-pool"
-# Modules whose tests need a cluster but kill no node and time nothing tightly: on the other
-# worker, whose session cluster is a second one.
-SECOND_POOL_GROUP, ON_THE_SECOND_POOL = "ray-pool-b", ("test_scheduler",)
 # Modules that start a Ray head or a service of their own: first on the other worker, so
 # that they are done before the pool's worker reaches its ``alone`` tests (kept last).
 STARTS_ITS_OWN = (
@@ -51,18 +46,15 @@ STARTS_ITS_OWN = (
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-
     def order(item: pytest.Item) -> int:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
         if "ray_cluster" in item.fixturenames:
             return 2 if item.get_closest_marker("alone") else 1
-        return 0 if module(item) in STARTS_ITS_OWN else 1
+        return 0 if module in STARTS_ITS_OWN else 1
 
     for item in items:
         if "ray_cluster" in item.fixturenames:
-            second = module(item) in ON_THE_SECOND_POOL
-            item.add_marker(pytest.mark.xdist_group(SECOND_POOL_GROUP if second else POOL_GROUP))
+            item.add_marker(pytest.mark.xdist_group(POOL_GROUP))
     items.sort(key=order)  # stable: within a rank, the files' own order
 
 
@@ -73,9 +65,7 @@ def machine_share(request: pytest.FixtureRequest) -> Iterator[None]:
     turnstile, so that no new shared holder slips in ahead of it."""
     worker = getattr(request.config, "workerinput", None)
     alone = request.node.get_closest_marker("alone") is not None
-    group = request.node.get_closest_marker("xdist_group")
-    on_the_pool = group is not None and group.args == (POOL_GROUP,)
-    if worker is None or (on_the_pool and not alone):
+    if worker is None or not (alone or "ray_cluster" not in request.fixturenames):
         yield
         return
     base = Path(tempfile.gettempdir()) / f"etrain-tests-{worker['testrunuid']}"
