@@ -171,6 +171,23 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
     return killed
 
 
+def wait_until_the_scheduler_sees_the_pool(timeout_s: float = 30.0) -> None:
+    """The cluster's scheduler (the shared membership watcher, which polls Ray every 0.5 s)
+    sees every node of the pool with its CPU free and unclaimed: a job submitted now starts
+    at the pool's full size, not on the part of a restored pool the watcher has seen."""
+    import ray
+
+    from elastic.capacity import shared_watcher
+
+    watcher = shared_watcher(NAMESPACE)
+
+    def whole() -> bool:
+        snap = ray.get(watcher.snapshot.remote("", -1, 0.0))
+        return bool(snap.workers_free({"CPU": 1.0}) >= POOL_SIZE)
+
+    wait_for(whole, timeout_s, what="the scheduler to see the whole pool free")
+
+
 def wait_until_the_pool_is_free(timeout_s: float = 60.0) -> None:
     """Every CPU of the cluster free: a job that ended by itself (or was killed above) hands
     its workers back asynchronously, and the next test's job must not start on what is

@@ -26,6 +26,7 @@ from tests.conftest import (
     make_settings,
     wait_for,
     wait_until_ended,
+    wait_until_the_scheduler_sees_the_pool,
 )
 
 # Recovery is timed here (from the kill): the machine to itself, see tests/conftest.py.
@@ -38,6 +39,8 @@ BATCH = 63  # splits unevenly over 2 workers: shares of 32 and 31
 @pytest.fixture
 def pool(ray_cluster: ClusterPool) -> Iterator[ClusterPool]:
     ray_cluster.restore_pool()
+    # These tests count attempts from a start at 3 workers.
+    wait_until_the_scheduler_sees_the_pool()
     yield ray_cluster
     ray_cluster.restore_pool()
 
