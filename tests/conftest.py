@@ -213,8 +213,9 @@ def no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     pool = request.getfixturevalue("ray_cluster")
     yield
-    end_every_job()  # waits until every CPU is free; nodes restored below start free
+    end_every_job()
     pool.restore_pool()
+    wait_until_the_pool_is_free()
 
 
 def free_port() -> int:
