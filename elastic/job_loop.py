@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from elastic.arrivals import InOrder
 from elastic.attempt import Attempt, AttemptOutcome, EndCause, Recovery
 from elastic.attempt_runner import AttemptRunner, AttemptSpec
 from elastic.capacity import CapacitySource, Reservation, Snapshot
@@ -103,6 +104,8 @@ class JobLoop:
         # The latest throughput measured at each size, not yet told to the scheduler.
         self.throughput: dict[int, float] = {}
         self.replicas: int | None = None  # in place: the scheduler's size at the start
+        # The workers' news, back in the order each sent it (see elastic.arrivals).
+        self.arrivals: InOrder[tuple[str, dict[str, Any]]] = InOrder(clock=clock)
 
     # -- the routing -------------------------------------------------------------------------
 
@@ -224,6 +227,8 @@ class JobLoop:
     async def _after(self, attempt: Attempt, outcome: AttemptOutcome) -> Step | None:
         if self.cancelled:
             return None
+        # What the attempt's workers said is all weighed before deciding what its end means.
+        self._deliver(self.arrivals.release_all())
         cause = attempt.stop_cause
         lost: set[str] = set()
         if (
@@ -558,7 +563,26 @@ class JobLoop:
             return False
         return bool(self._drained(current)) or current.shrink is not None
 
-    def record(self, kind: str, data: dict[str, Any]) -> None:
+    def record(
+        self, kind: str, data: dict[str, Any], sender: str | None = None, n: int | None = None
+    ) -> None:
+        """A worker's news; numbered news (``sender``, ``n``) is taken in the order it was
+        sent, which is not always the order Ray delivers it."""
+        if sender is None or n is None:
+            self._record(kind, data)
+            return
+        self._deliver(self.arrivals.accept(sender, n, (kind, data)))
+        self.deliver_overdue()
+
+    def deliver_overdue(self) -> None:
+        """Take the news held behind a call that has not come in time (see elastic.arrivals)."""
+        self._deliver(self.arrivals.overdue())
+
+    def _deliver(self, news: list[tuple[str, dict[str, Any]]]) -> None:
+        for kind, data in news:
+            self._record(kind, data)
+
+    def _record(self, kind: str, data: dict[str, Any]) -> None:
         current = self.attempt
         if current is None or data.get("attempt") != current.number or self.cancelled:
             return  # late news from an attempt that has already ended

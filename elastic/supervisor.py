@@ -75,6 +75,7 @@ class Supervisor:
             self.task = asyncio.get_running_loop().create_task(self.loop.run())
 
     async def events(self, after: int) -> list[dict[str, Any]]:
+        self.loop.deliver_overdue()
         return self.loop.events.after(after)
 
     async def ack(self, seq: int) -> None:
@@ -97,5 +98,7 @@ class Supervisor:
     async def drain_pending(self, attempt: int) -> bool:
         return self.loop.drain_pending(attempt)
 
-    async def record(self, kind: str, data: dict[str, Any]) -> None:
-        self.loop.record(kind, data)
+    async def record(
+        self, kind: str, data: dict[str, Any], sender: str | None = None, n: int | None = None
+    ) -> None:
+        self.loop.record(kind, data, sender, n)

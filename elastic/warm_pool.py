@@ -41,6 +41,7 @@ from typing import Any
 
 import ray
 
+from elastic.arrivals import Outbox
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec, last_line, resolve
 from elastic.in_place.orphan import die_with_parent
@@ -152,13 +153,12 @@ class WarmWorker:
 
         meta = config["_elastic"]
         supervisor = ray.get_actor(meta["supervisor"], namespace=meta["namespace"])
+        outbox = Outbox(supervisor)
         last_sent: list[Any] = []
 
         def send(lines: list[list[Any]]) -> None:
             last_sent[:] = [
-                supervisor.record.remote(
-                    "log", {"attempt": meta["attempt"], "rank": rank, "lines": lines}
-                )
+                outbox.record("log", {"attempt": meta["attempt"], "rank": rank, "lines": lines})
             ]
 
         result: dict[str, Any] = {"error": None, "failed_at": None, "clean": True}

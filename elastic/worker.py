@@ -11,6 +11,7 @@ import ray
 import torch
 
 from elastic import mlflow_log
+from elastic.arrivals import Outbox
 from elastic.checkpoints import CheckpointDir
 from elastic.tensorboard import TensorBoardLog, resumed_step
 from elastic.worker_config import WorkerConfig
@@ -40,11 +41,13 @@ class WorkerContext:
     # ... and into the job's MLflow run, when the service has a tracking URI.
     mlflow: mlflow_log.MlflowLog | None = None
     checkpoints: CheckpointDir = field(init=False)
+    outbox: Outbox | None = field(init=False)
     _drain_noticed: threading.Event = field(default_factory=threading.Event, init=False)
     _closed: threading.Event = field(default_factory=threading.Event, init=False)
 
     def __post_init__(self) -> None:
         self.checkpoints = CheckpointDir(self.config.checkpoint_dir)
+        self.outbox = None if self.supervisor is None else Outbox(self.supervisor)
 
     @property
     def attempt(self) -> int:
@@ -140,8 +143,8 @@ class WorkerContext:
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         """Tell the supervisor (fire and forget: training never waits on it). Safe from
         the checkpoint writer's thread."""
-        if self.supervisor is not None:
-            self.supervisor.record.remote(kind, {"attempt": self.attempt, **data})
+        if self.outbox is not None:
+            self.outbox.record(kind, {"attempt": self.attempt, **data})
         else:
             self.local_events.append((kind, {"attempt": self.attempt, **data}))
         if self.tensorboard is not None:

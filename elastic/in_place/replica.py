@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from elastic.arrivals import Outbox
 from elastic.attempt_runner import resolve
 from elastic.in_place.members import QuorumMembers, replica_id
 from elastic.in_place.orphan import die_with_parent
@@ -210,13 +211,12 @@ class Replica:
                 host=host,
             )
 
+        outbox = Outbox(supervisor)
         last_sent: list[Any] = []
 
         def send(lines: list[list[Any]]) -> None:
             last_sent[:] = [
-                supervisor.record.remote(
-                    "log", {"attempt": meta.attempt, "rank": replica, "lines": lines}
-                )
+                outbox.record("log", {"attempt": meta.attempt, "rank": replica, "lines": lines})
             ]
 
         def start_together() -> None:

@@ -874,3 +874,30 @@ def test_in_place_the_scheduler_resizes_the_running_replicas() -> None:
         await h.finish()
 
     run(body)
+
+
+def test_a_workers_news_that_ray_delivers_swapped_is_logged_in_the_order_it_was_sent() -> None:
+    async def body() -> None:
+        h = Harness(FakeCluster(2))
+        h.start()
+        await h.workers_start(1, step=1)
+
+        def news(n: int, step: int) -> None:
+            data = {"attempt": 1, "step": step, "world_size": 2}
+            h.loop.record("metrics", data, sender="rank-0", n=n)
+
+        news(0, 2)
+        news(2, 4)  # came before its predecessor, as Ray's async actors allow
+        assert [d["step"] for d in h.of("metrics")] == [1, 2]
+        news(1, 3)
+        news(3, 5)
+        assert [d["step"] for d in h.of("metrics")] == [1, 2, 3, 4, 5]
+        # One whose predecessor never comes goes on after the hold; nothing waits for ever.
+        news(5, 7)
+        h.clock.now += 1.0
+        h.loop.deliver_overdue()
+        assert [d["step"] for d in h.of("metrics")] == [1, 2, 3, 4, 5, 7]
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
