@@ -29,9 +29,6 @@ from tests.conftest import (
     wait_until_the_scheduler_sees_the_pool,
 )
 
-# Recovery is timed here (from the kill): the machine to itself, see tests/conftest.py.
-pytestmark = pytest.mark.alone
-
 DATASET = 1000
 BATCH = 63  # splits unevenly over 2 workers: shares of 32 and 31
 
@@ -373,6 +370,7 @@ def warm_workers() -> dict[str, tuple[int, str]]:
     }
 
 
+@pytest.mark.alone  # it bounds the pause from the kill to the first step at 2
 def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     api: httpx.Client, pool: ClusterPool, tmp_path: Path
 ) -> None:

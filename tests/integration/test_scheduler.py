@@ -135,7 +135,9 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     else:
         assert sizes(api, low["id"]) == [3]  # one attempt: the quorum went on through both
         assert resized[0]["to_world"] == 1 and resized[-1]["to_world"] == 3
-    assert started_in < 30, started_in
+    # Two new worker processes start for the high job (each imports torch): 20-34 s here
+    # with the suite's other worker busy beside it.
+    assert started_in < 45, started_in
     # Restart mode: a step redone replaces the one before; in place: each step commits once.
     count = samples_that_count if mode == "restart" else committed_samples
     counted = count(tmp_path / "checkpoints" / low["id"])
