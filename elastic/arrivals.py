@@ -62,10 +62,12 @@ class InOrder(Generic[Item]):
         return out
 
     def release_all(self) -> list[Item]:
-        """Everything held, each sender's in order (the attempt they belong to has ended)."""
+        """Everything held, each sender's in order; the senders are then forgotten (the
+        attempt they belong to has ended: each attempt's processes send anew)."""
         out: list[Item] = []
         for s in self._senders.values():
             out += self._give_up(s)
+        self._senders.clear()
         return out
 
     def held(self) -> int:

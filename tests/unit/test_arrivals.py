@@ -49,10 +49,16 @@ def test_a_gap_that_does_not_fill_in_time_is_given_up_and_nothing_is_dropped() -
 
 
 def test_release_all_hands_over_every_sender_in_order() -> None:
-    order: InOrder[str] = InOrder(hold_s=60.0, clock=Clock())
+    clock = Clock()
+    order: InOrder[str] = InOrder(hold_s=60.0, clock=clock)
     order.accept("a", 2, "a2")
     order.accept("a", 1, "a1")
     order.accept("b", 5, "b5")
     assert order.release_all() == ["a1", "a2", "b5"]
     assert order.release_all() == []
-    assert order.accept("b", 6, "b6") == ["b6"]
+    # A forgotten sender's late call is held like a new sender's out-of-order one, then
+    # goes on: late, never lost.
+    assert order.accept("b", 6, "b6") == []
+    assert order.overdue() == []
+    clock.now = 60.0
+    assert order.overdue() == ["b6"]
