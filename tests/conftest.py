@@ -1,14 +1,17 @@
-"""Shared test fixtures: a real Ray cluster per test process, real servers on loopback.
+"""Shared test fixtures: one real Ray cluster per session, real servers on loopback.
 
 `make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``); it
-also runs serially, in the files' order, on one cluster. Under xdist the tests on Ray form
-two groups, each run in order by one worker on a cluster of its own (the session fixture
-``ray_cluster`` is per process): ``ray-pool`` holds the modules that kill nodes and time
-recoveries or scheduling, ``ray-jobs`` the ones that only run jobs through the service.
-Each worker takes its group first, then the other tests one by one (xdist hands a test to
-whichever worker is free): the tests that start a Ray or a service of their own, then the
-unit tests. Tests marked ``alone`` assert a pause under a bound: while one runs, the other
-worker waits, so that it has the machine to itself.
+also runs serially, in the files' order. Under xdist every test that uses the shared
+cluster runs on one worker, in order (the pool is one set of nodes that tests kill and add
+back), with the ``alone`` tests last; the other worker takes the rest: first the tests
+that start a Ray or a service of their own, then the unit tests. Tests marked ``alone``
+bound a pause: while one runs, the other worker's tests wait, so that it has the machine
+to itself. (A second cluster for the tests that only run jobs, on the other worker, was
+tried: two clusters' jobs at once on 2 cores made every test about twice as slow.)
+
+Several Ray clusters run on the machine at once (this pool, and the heads some modules
+start): Ray's state API, asked with no address, picks the latest one; ask it with
+``state_address()``.
 """
 
 from __future__ import annotations
@@ -37,29 +40,8 @@ STORE_BACKENDS = ["sqlite", *(["postgresql"] if os.environ.get(PG_URL_ENV) else 
 
 POOL_SIZE = 3
 POOL_GROUP = "ray-pool"
-JOBS_GROUP = "ray-jobs"
-# Modules on Ray that only run jobs through the service (they kill no node of the pool
-# that another module counts on, time nothing): the second cluster's group.
-JOBS_MODULES = frozenset(
-    {
-        "test_dashboard",
-        "test_streams",
-        "test_jobs_api",
-        "test_cli",
-        "test_client",
-        "test_workloads",
-        "test_security",
-        "test_mlflow",
-        "test_checkpoint_visibility",
-        "test_metrics",
-        "test_cluster_api",
-        "test_fuzz",
-        "test_limits_idempotency",
-        "test_access",
-    }
-)
-# Modules that start a Ray head or a service of their own: handed out right after the two
-# groups, so that they are done before the pool's worker reaches its ``alone`` tests.
+# Modules that start a Ray head or a service of their own: first on the other worker, so
+# that they are done before the pool's worker reaches its ``alone`` tests (kept last).
 STARTS_ITS_OWN = (
     "test_restarts",
     "test_installed_service",
@@ -69,39 +51,29 @@ STARTS_ITS_OWN = (
 )
 
 
-def module_of(item: pytest.Item) -> str:
-    return item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def order(item: pytest.Item) -> tuple[int, bool]:
-        module = module_of(item)
+    def order(item: pytest.Item) -> int:
+        module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
         if "ray_cluster" in item.fixturenames:
-            unit = 1 if module in JOBS_MODULES else 0
-        else:
-            unit = 2 if module in STARTS_ITS_OWN else 3
-        return unit, item.get_closest_marker("alone") is not None
+            return 2 if item.get_closest_marker("alone") else 1
+        return 0 if module in STARTS_ITS_OWN else 1
 
     for item in items:
         if "ray_cluster" in item.fixturenames:
-            group = JOBS_GROUP if module_of(item) in JOBS_MODULES else POOL_GROUP
-            item.add_marker(pytest.mark.xdist_group(group))
+            item.add_marker(pytest.mark.xdist_group(POOL_GROUP))
     if hasattr(config, "workerinput"):  # under xdist; a serial run keeps the files' order
-        # xdist hands out units of work in the order they first appear: the pool's group
-        # to one worker, the jobs' group to the other, then single tests to whichever is
-        # free. Stable: within a unit, the files' own order, the ``alone`` tests last.
-        items.sort(key=order)
+        items.sort(key=order)  # stable: within a rank, the files' own order
 
 
 @pytest.fixture(autouse=True)
 def machine_share(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under xdist: an ``alone`` test holds the machine exclusively; every other test holds
+    """Under xdist: an ``alone`` test holds the machine exclusively; a test off the pool holds
     it shared. A readers-writer lock on two files: a waiting ``alone`` test holds the
     turnstile, so that no new shared holder slips in ahead of it."""
     worker = getattr(request.config, "workerinput", None)
     alone = request.node.get_closest_marker("alone") is not None
-    if worker is None:
+    if worker is None or not (alone or "ray_cluster" not in request.fixturenames):
         yield
         return
     base = Path(tempfile.gettempdir()) / f"etrain-tests-{worker['testrunuid']}"
@@ -170,6 +142,9 @@ def ray_cluster() -> Iterator[ClusterPool]:
             # Not Ray's fixed 8265: another Ray on this machine may hold it.
             "dashboard_port": free_port(),
             "_system_config": FAST_FAILURE_DETECTION,
+            # It tails every worker's log file for drivers that print them (ours do not):
+            # about 4 % of a core for nothing, growing with the files.
+            "include_log_monitor": False,
         },
     )
     test_cluster = ClusterPool(cluster)
@@ -178,6 +153,15 @@ def ray_cluster() -> Iterator[ClusterPool]:
     yield test_cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+def state_address() -> str:
+    """The address for Ray's state API (``list_actors``...) of the cluster this process is
+    connected to: with none, the API picks the latest Ray on the machine, which may be a
+    head another module started."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def end_every_job(timeout_s: float = 60.0) -> list[str]:

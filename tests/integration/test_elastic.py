@@ -24,6 +24,7 @@ from tests.conftest import (
     ClusterPool,
     LiveServer,
     make_settings,
+    state_address,
     wait_for,
     wait_until_ended,
     wait_until_the_scheduler_sees_the_pool,
@@ -335,6 +336,7 @@ def test_a_job_whose_supervisor_dies_goes_on_from_its_checkpoint(
 RECOVERY_BOUND_S = 60
 
 
+@pytest.mark.alone  # it compares the recovery's start with the kill's time
 def test_a_node_loss_is_timed_from_the_failure(api: httpx.Client, pool: ClusterPool) -> None:
     job = api.post("/v1/jobs", json=elastic_job(100_000)).json()
     wait_until(api, job["id"], lambda j: j["step"] >= 15 and j["world_size"] == 3, 180, "3 workers")
@@ -366,7 +368,10 @@ def warm_workers() -> dict[str, tuple[int, str]]:
 
     return {
         a.actor_id: (a.pid, a.node_id)
-        for a in list_actors(filters=[("class_name", "=", "WarmWorker"), ("state", "=", "ALIVE")])
+        for a in list_actors(
+            address=state_address(),
+            filters=[("class_name", "=", "WarmWorker"), ("state", "=", "ALIVE")],
+        )
     }
 
 

@@ -12,7 +12,7 @@ import torch
 from ray.util.state import list_actors
 
 from jobs.workloads.image_classification import SmallCNN
-from tests.conftest import TERMINAL, LiveServer, make_settings, small_job, wait_for
+from tests.conftest import TERMINAL, LiveServer, make_settings, small_job, state_address, wait_for
 
 
 def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -37,7 +37,7 @@ def state_history(client: httpx.Client, job_id: str) -> list[str]:
 def alive_train_workers() -> list[Any]:
     return [
         a
-        for a in list_actors(filters=[("state", "=", "ALIVE")])
+        for a in list_actors(address=state_address(), filters=[("state", "=", "ALIVE")])
         # A warm worker (restart mode) or an in-place replica (the default here).
         if a.class_name in ("WarmWorker", "Replica")
     ]
