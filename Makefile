@@ -40,13 +40,13 @@ $(CHROMIUM):
 run: $(RUN_STAMP) $(JS_STAMP)
 	$(VENV)/bin/etrain serve
 
-# Two pytest-xdist workers, each with a Ray cluster of its own (tests/conftest.py says who
-# runs what); the suite also runs serially (plain pytest) on one cluster.
+# Serial. On two pytest-xdist workers (-n 2 --dist loadgroup, tests/conftest.py) the machine
+# is saturated (2 cores, about 90 % busy) and tests that bound a pause or a shutdown fail.
 test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n 2 --dist loadgroup -ra --durations=15
+	$(PY) -m pytest -ra --durations=15
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples

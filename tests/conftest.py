@@ -1,13 +1,15 @@
 """Shared test fixtures: one real Ray cluster per session, real servers on loopback.
 
-`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``); it
-also runs serially, in the files' order. Under xdist every test that uses the shared
-cluster runs on one worker, in order (the pool is one set of nodes that tests kill and add
-back), with the ``alone`` tests last; the other worker takes the rest: first the tests
-that start a Ray or a service of their own, then the unit tests. Tests marked ``alone``
-bound a pause: while one runs, the other worker's tests wait, so that it has the machine
-to itself. (A second cluster for the tests that only run jobs, on the other worker, was
-tried: two clusters' jobs at once on 2 cores made every test about twice as slow.)
+`make test` runs the suite serially, in the files' order. With ``-n 2 --dist loadgroup``
+it runs on two pytest-xdist workers: every test that uses the shared cluster runs on one
+worker, in order (the pool is one set of nodes that tests kill and add back), with the
+``alone`` tests last; the other worker takes the rest: first the tests that start a Ray
+or a service of their own, then the unit tests. Tests marked ``alone`` bound a pause:
+while one runs, the other worker's tests wait, so that it has the machine to itself. On
+2 cores the two workers keep the machine about 90 % busy, and tests that bound a pause or
+a shutdown beside the other worker's load fail (README, Tests). (A second cluster for the
+tests that only run jobs, on the other worker, was tried: with two clusters' jobs at once
+every test took about twice as long.)
 
 Several Ray clusters run on the machine at once (this pool, and the heads some modules
 start): Ray's state API, asked with no address, picks the latest one; ask it with
