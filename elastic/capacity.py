@@ -198,6 +198,9 @@ class MembershipWatcher:
         self.totals: Resources = {}
         self.supervisors: dict[str, str] = {}  # job -> its supervisor's actor id
         self.checked_at = 0.0
+        # checkpoint directory -> the live nodes that showed they share it (see
+        # elastic.checkpoint_storage.unshared_checkpoint_dir)
+        self.sharing: dict[str, set[str]] = {}
 
     async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:
         self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S, owner)
@@ -222,6 +225,14 @@ class MembershipWatcher:
                         free[node][name] = max(0.0, free[node].get(name, 0.0) - amount)
         target = self.book.target(job_id)
         return Snapshot(current.version, current.alive, free, current.draining, target)
+
+    async def nodes_sharing(self, root: str) -> frozenset[str]:
+        return frozenset(self.sharing.get(root, ()))
+
+    async def record_sharing(self, root: str, nodes: list[str]) -> None:
+        await self._ensure_watching()  # it forgets the nodes that die
+        alive = self.current.alive
+        self.sharing.setdefault(root, set()).update(n for n in nodes if n in alive)
 
     async def _ensure_watching(self) -> None:
         if self.task is None or self.task.done():
@@ -265,6 +276,10 @@ class MembershipWatcher:
         if alive == c.alive and free == c.free and draining == c.draining:
             return
         self.current = Snapshot(c.version + 1, frozenset(alive), free, draining)
+        if alive != c.alive:
+            self.sharing = {
+                root: live for root, nodes in self.sharing.items() if (live := nodes & alive)
+            }
         if totals != self.totals or alive != c.alive or draining != c.draining:
             self.totals = totals
             self._replan()
@@ -451,6 +466,13 @@ class RayCapacity:
 
     async def observe(self, world_size: int, samples_per_s: float) -> None:
         await self._call("observe", self.job_id, world_size, samples_per_s)
+
+    async def nodes_sharing(self, root: str) -> frozenset[str]:
+        known: frozenset[str] = await self._call("nodes_sharing", root)
+        return known
+
+    async def record_sharing(self, root: str, nodes: list[str]) -> None:
+        await self._call("record_sharing", root, nodes)
 
     async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
         probes = {

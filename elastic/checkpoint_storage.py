@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STAGING_PREFIX = ".tmp-"
@@ -430,15 +433,35 @@ def _read(path: Path) -> str | None:
         return None
 
 
+class SharingBook(Protocol):
+    """Which nodes already showed that they share a checkpoint directory (kept cluster-wide
+    by the membership watcher): a node that answered once is not probed again for it."""
+
+    async def nodes_sharing(self, root: str) -> frozenset[str]: ...
+
+    async def record_sharing(self, root: str, nodes: list[str]) -> None: ...
+
+
 async def unshared_checkpoint_dir(
-    root: str, per_worker: dict[str, float], timeout_s: float = PROBE_TIMEOUT_S
+    root: str,
+    per_worker: dict[str, float],
+    timeout_s: float = PROBE_TIMEOUT_S,
+    book: SharingBook | None = None,
 ) -> str | None:
     """Whether the supervisor and every node that can hold a worker see the same ``root``:
     the supervisor writes a probe file, one zero-CPU task per other node reads it and writes
     an answer, the supervisor reads the answers. A directory on each node's own disk would
     otherwise fail silently: the supervisor sees no checkpoint and a restart begins at step
     0. Returns the reason the job cannot run there, or None. A bucket is the same for every
-    node and is not probed; a node that does not answer in time is not held against it."""
+    node and is not probed; a node that does not answer in time is not held against it.
+
+    With a ``book``, the nodes that already answered for ``root``'s parent (the service's
+    checkpoint directory, which holds every job's: what a node mounts) are not asked again,
+    by their Ray node ids (a node that restarts is a new node), and those that answer now
+    are recorded: each probe task starts a worker process on its node (about a second before
+    the job's first attempt can start, and most of a core-second per node), which every
+    job start on a shared directory paid before. A directory that a node stops sharing
+    while it stays up (a mount removed by hand) goes unnoticed until that node restarts."""
     if is_object_uri(root):
         return None
     import asyncio
@@ -454,6 +477,14 @@ async def unshared_checkpoint_dir(
         and n["NodeID"] != own
         and all(n["Resources"].get(k, 0.0) >= v for k, v in per_worker.items() if v > 0)
     ]
+    mount = os.path.dirname(os.path.normpath(root))
+    if book is not None and nodes:
+        try:
+            known = await book.nodes_sharing(mount)
+        except Exception:  # the book is a shortcut: without it, every node is asked
+            log.warning("the checkpoint directory's sharing book is unreachable", exc_info=True)
+            known = frozenset()
+        nodes = [n for n in nodes if n["NodeID"] not in known]
     if not nodes:
         return None
     path = Path(root)
@@ -471,6 +502,7 @@ async def unshared_checkpoint_dir(
         ).remote(root, name, token, f"{name}.answer-{i}")
         for i, n in enumerate(nodes)
     ]
+    sharing: list[str] = []
     try:
         futures = [asyncio.ensure_future(r) for r in refs]  # type: ignore[arg-type]
         await asyncio.wait(futures, timeout=timeout_s)
@@ -484,9 +516,16 @@ async def unshared_checkpoint_dir(
                 problem = "writes a file the supervisor cannot read"
             if problem is not None:
                 problems.append(f"node {node} {problem}")
+            else:
+                sharing.append(nodes[i]["NodeID"])
     finally:
         for leftover in path.glob(f"{name}.*"):
             leftover.unlink(missing_ok=True)
+    if book is not None and sharing:
+        try:
+            await book.record_sharing(mount, sharing)
+        except Exception:
+            log.warning("the checkpoint directory's sharing book is unreachable", exc_info=True)
     if not problems:
         return None
     return (

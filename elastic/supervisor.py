@@ -56,14 +56,15 @@ class Supervisor:
             runner = InPlaceRunner(asdict(plan), lambda spec: worker_config(plan, spec))
         else:
             runner = WarmPoolRunner(asdict(plan), lambda spec: worker_config(plan, spec))
+        capacity = RayCapacity(plan.namespace, plan.job_id)
         self.loop = JobLoop(
             plan,
             runner,
-            RayCapacity(plan.namespace, plan.job_id),
+            capacity,
             CheckpointDir(plan.checkpoint_dir),
             EventLog(first_seq),
             storage_check=lambda: unshared_checkpoint_dir(
-                plan.checkpoint_dir, plan.resources_per_worker
+                plan.checkpoint_dir, plan.resources_per_worker, book=capacity
             ),
         )
         self.task: asyncio.Task[None] | None = None

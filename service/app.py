@@ -83,7 +83,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         ThreadPoolExecutor(max_workers=DEFAULT_EXECUTOR_THREADS, thread_name_prefix="etrain")
     )
     token = settings.ray_auth_token
-    await asyncio.to_thread(
+    connected = await asyncio.to_thread(
         launcher.connect,
         settings.ray_address,
         settings.ray_namespace,
@@ -111,6 +111,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await services.control.stop()
         services.store.close()
+        if connected:
+            await asyncio.to_thread(launcher.disconnect)
 
 
 def _warm_up(services: deps.Services) -> None:

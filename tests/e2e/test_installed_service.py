@@ -324,11 +324,8 @@ def _session_processes(sid: int) -> list[str]:
     return found
 
 
-def _kill_and_restart_until_the_job_ends(
-    service: Service, api: httpx.Client, job_id: str
-) -> dict[str, Any]:
-    """SIGKILL the service mid-job, start it again on the same data, and wait for the job's
-    end."""
+def _kill_and_restart(service: Service) -> None:
+    """SIGKILL the service mid-job and start it again on the same data."""
     old = service.proc
     assert old is not None
     old.send_signal(signal.SIGKILL)
@@ -340,6 +337,9 @@ def _kill_and_restart_until_the_job_ends(
         what=f"the killed service's Ray processes to end: {_session_processes(old.pid)}",
     )
     service.start()
+
+
+def _ended(api: httpx.Client, job_id: str) -> dict[str, Any]:
     job: dict[str, Any] = wait_for(
         lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
         timeout=300,
@@ -349,22 +349,36 @@ def _kill_and_restart_until_the_job_ends(
     return job
 
 
-def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> None:
-    """The embedded Ray ends with the service; a job that was running resumes from its
-    latest checkpoint when the service comes back, and its steps end at max_steps."""
+def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> None:
+    """The embedded Ray ends with the service. Two jobs run when it is killed: one resumes
+    from its latest checkpoint when the service comes back, and its steps end at max_steps;
+    the other had saved none: the new supervisor says so and it trains again from step 0,
+    its steps after the restart 1..max_steps, each once. (One kill for both: each start of
+    the service starts a Ray.)"""
     api = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"})
-    spec = small_job(max_steps=400)
-    spec["name"] = "survivor"
-    job_id = api.post("/v1/jobs", json=spec).json()["id"]
+    one_worker = {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1}
+    survivor = small_job(max_steps=300) | {"name": "survivor", "scaling": one_worker}
+    fresh = small_job(max_steps=120) | {"name": "no-checkpoint", "scaling": one_worker}
+    fresh["checkpoint"] = {"every_steps": 100_000, "keep": 1}
+    survivor_id = api.post("/v1/jobs", json=survivor).json()["id"]
+    fresh_id = api.post("/v1/jobs", json=fresh).json()["id"]
     checkpoint = wait_for(
-        lambda: (c := api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]) and c,
+        lambda: (c := api.get(f"/v1/jobs/{survivor_id}/checkpoints").json()["items"]) and c,
         timeout=180,
         what="a first checkpoint",
     )
-    assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "running"
-    job = _kill_and_restart_until_the_job_ends(service, api, job_id)
-    assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 400, 400)
-    events = all_events(api, job_id)
+    reached = wait_for(
+        lambda: (j := api.get(f"/v1/jobs/{fresh_id}").json())["step"] > 0 and j,
+        timeout=180,
+        what="the other job's first steps",
+    )
+    assert reached["state"] == "running"
+    assert api.get(f"/v1/jobs/{survivor_id}").json()["state"] == "running"
+    _kill_and_restart(service)
+
+    job = _ended(api, survivor_id)
+    assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 300, 300)
+    events = all_events(api, survivor_id)
     kinds = [e["kind"] for e in events]
     assert "supervisor_recreated" in kinds, kinds
     last_restore = len(kinds) - 1 - kinds[::-1].index("restored")
@@ -372,28 +386,11 @@ def test_a_job_survives_a_sigkill_of_the_embedded_service(service: Service) -> N
     assert resumed_at >= checkpoint[0]["step"]
     # After the restore, each step is reported once, in order, up to max_steps.
     steps = [e["data"]["step"] for e in events[last_restore:] if e["kind"] == "metrics"]
-    assert steps == sorted(set(steps)) and steps[0] > resumed_at and steps[-1] == 400
+    assert steps == sorted(set(steps)) and steps[0] > resumed_at and steps[-1] == 300
 
-
-def test_a_job_killed_before_its_first_checkpoint_starts_over_from_step_0(
-    service: Service,
-) -> None:
-    """With no checkpoint to resume from, the new supervisor says so and trains from step 0;
-    the steps after the restart are 1..max_steps, each once."""
-    api = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"})
-    spec = small_job(max_steps=120)
-    spec["name"] = "no-checkpoint"
-    spec["checkpoint"] = {"every_steps": 100_000, "keep": 1}
-    job_id = api.post("/v1/jobs", json=spec).json()["id"]
-    reached = wait_for(
-        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["step"] > 0 and j,
-        timeout=180,
-        what="the job's first steps",
-    )
-    assert reached["state"] == "running"
-    job = _kill_and_restart_until_the_job_ends(service, api, job_id)
+    job = _ended(api, fresh_id)
     assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 120, 120)
-    events = all_events(api, job_id)
+    events = all_events(api, fresh_id)
     kinds = [e["kind"] for e in events]
     recreated = kinds.index("supervisor_recreated")
     assert events[recreated]["data"]["checkpoint_step"] is None
@@ -412,3 +409,23 @@ def test_a_job_killed_before_its_first_checkpoint_starts_over_from_step_0(
     assert "restored" not in kinds[recreated:]
     steps = [e["data"]["step"] for e in events[recreated:] if e["kind"] == "metrics"]
     assert steps == list(range(1, 121))
+
+
+def test_a_sigterm_stops_the_service_and_its_embedded_ray_within_seconds(
+    service: Service,
+) -> None:
+    """A graceful stop ends the process and the Ray it started (it took 16 s before
+    `etrain serve` stopped that Ray itself: see jobs.launcher.disconnect)."""
+    proc = service.proc
+    assert proc is not None
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    took = time.monotonic() - sent
+    assert proc.returncode == 0, service.log.read_text()[-2000:]
+    assert took < 8, took
+    wait_for(
+        lambda: not _session_processes(proc.pid),
+        timeout=10,
+        what=f"the service's Ray processes to end: {_session_processes(proc.pid)}",
+    )

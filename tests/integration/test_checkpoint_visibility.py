@@ -12,17 +12,21 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import (
+    POOL_SIZE,
     ClusterPool,
     LiveServer,
     make_settings,
     small_job,
+    state_address,
     wait_for,
     wait_until_ended,
 )
@@ -127,15 +131,48 @@ def test_a_directory_one_node_does_not_share_fails_the_job_naming_the_setting(
     assert list((root / job["id"]).iterdir()) == []  # no probe file left behind
 
 
-def test_a_shared_directory_passes_and_the_job_succeeds(
+def probes_run() -> int:
+    """How many probe tasks the cluster has run (Ray reports a task's events within a
+    second; the caller waits for the count to settle)."""
+    from ray.util.state import list_tasks
+
+    tasks = list_tasks(
+        address=state_address(), filters=[("name", "=", "probe_from_node")], limit=10_000
+    )
+    return len({t["task_id"] for t in tasks})
+
+
+def settled(count: Any, still_s: float = 3.0) -> int:
+    """``count()`` once it has not changed for ``still_s``."""
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < still_s:
+        time.sleep(0.5)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+    return int(last)
+
+
+def test_a_shared_directory_passes_and_the_job_succeeds_and_is_probed_once_per_node(
     ray_cluster: ClusterPool, tmp_path: Path
 ) -> None:
+    """The pool's three nodes answer the first job's probe; the next job on the same
+    checkpoint directory starts without probing them again (each probe starts a process)."""
     ray_cluster.restore_pool()
     root = tmp_path / "checkpoints"
+    before = settled(probes_run)
     with LiveServer(make_settings(tmp_path, checkpoint_dir=str(root))) as live:
         api = live.client()
-        job = api.post("/v1/jobs", json=small_job(max_steps=20)).json()
-        done = wait_until_ended(api, job["id"], 180)
-        assert done["state"] == "succeeded", done
-        assert done["step"] == 20
-    assert sorted(p.name for p in (root / job["id"]).iterdir() if p.name.startswith(".")) == []
+        jobs = []
+        for probes in (POOL_SIZE, 0):
+            job = api.post("/v1/jobs", json=small_job(max_steps=20)).json()
+            done = wait_until_ended(api, job["id"], 180)
+            assert done["state"] == "succeeded", done
+            assert done["step"] == 20
+            after = settled(probes_run)
+            assert after - before == probes
+            before = after
+            jobs.append(job)
+    for job in jobs:
+        left = [p.name for p in (root / job["id"]).iterdir() if p.name.startswith(".")]
+        assert left == []
