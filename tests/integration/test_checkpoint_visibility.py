@@ -151,16 +151,18 @@ def test_a_shared_directory_passes_and_the_job_succeeds_and_is_probed_once_per_n
     before = probes_run()
     with LiveServer(make_settings(tmp_path, checkpoint_dir=str(root))) as live:
         api = live.client()
-        jobs = []
-        for _ in range(2):
+
+        def run_job() -> dict:
             job = api.post("/v1/jobs", json=small_job(max_steps=20)).json()
             done = wait_until_ended(api, job["id"], 180)
             assert done["state"] == "succeeded", done
             assert done["step"] == 20
-            jobs.append(job)
-            if len(jobs) == 1:
-                wait_for(lambda: probes_run() - before >= POOL_SIZE, 15, what="the probes")
-                assert probes_run() - before == POOL_SIZE
+            return job
+
+        jobs = [run_job()]
+        wait_for(lambda: probes_run() - before >= POOL_SIZE, 15, what="the probes")
+        assert probes_run() - before == POOL_SIZE
+        jobs.append(run_job())
         # A probe runs before the job's first step: the second job's would have been
         # reported seconds before it ended.
         time.sleep(1.5)
