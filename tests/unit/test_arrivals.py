@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from elastic.arrivals import InOrder
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 def test_a_call_ahead_of_a_gap_waits_for_it_and_both_go_on_in_order() -> None:

@@ -10,6 +10,7 @@ import time
 from jobs import launcher, memory
 from jobs.cluster import ResourceView
 from jobs.spec import JobSpec
+from tests.clock import Clock
 from tests.conftest import small_job
 
 GIB = 1 << 30
@@ -27,16 +28,8 @@ class Cluster:
         return {f"node-{i}": dict(n) for i, n in enumerate(self.nodes)}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_view_is_reused_until_it_is_older_than_its_bound() -> None:
-    ray, clock = Cluster({"CPU": 2.0}), Clock()
+    ray, clock = Cluster({"CPU": 2.0}), Clock(100.0)
     view = ResourceView(ray.totals, max_age_s=2.0, clock=clock)
     assert view.nodes() == [{"CPU": 2.0}]
     ray.nodes.append({"CPU": 4.0})  # a node joins
@@ -49,7 +42,7 @@ def test_the_view_is_reused_until_it_is_older_than_its_bound() -> None:
 
 
 def test_refresh_always_answers_from_a_fetch_begun_after_it_was_called() -> None:
-    ray, clock = Cluster({"CPU": 2.0}), Clock()
+    ray, clock = Cluster({"CPU": 2.0}), Clock(100.0)
     view = ResourceView(ray.totals, max_age_s=60.0, clock=clock)
     view.nodes()
     ray.nodes[0]["CPU"] = 8.0

@@ -19,6 +19,7 @@ from elastic.job_loop import JobLoop, Timing
 from elastic.plan import SupervisorPlan
 from elastic.scheduling import Change, Demand, Placement
 from jobs.state import TRANSITIONS
+from tests.clock import Clock
 
 FAST = Timing(
     poll_s=0.01,
@@ -28,14 +29,6 @@ FAST = Timing(
     start_s=0.3,
     stop_grace_s=0.1,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeCluster:
@@ -215,7 +208,7 @@ class Harness:
         **plan: Any,
     ) -> None:
         self.cluster = cluster
-        self.clock = Clock()
+        self.clock = Clock(1000.0)
         self.runner = FakeRunner(cluster)
         self.capacity = FakeCapacity(cluster)
         self.checkpoints = FakeCheckpoints()
