@@ -11,6 +11,10 @@ died is lost with it.
 Each attempt opens a new event file in the same directory with ``purge_step`` set to the first step
 it trains, so TensorBoard drops the points the failed attempt reported past that step:
 the curves show the steps that count, once each.
+
+The checkpoint writer's thread records too (a checkpoint saved) and may finish after the attempt
+failed and closed its log: a closed log ignores it, because tensorboardX would reopen a second
+event file of the same attempt for it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,11 @@ class TensorBoardLog:
         if is_object_uri(checkpoint_dir):
             self.upload_to = self.path
             self.local = tempfile.mkdtemp(prefix="etrain-tensorboard-")
+        # The loop's thread and the checkpoint writer's both record: one of them at a time,
+        # and one copy to the store at a time.
+        self._lock = threading.Lock()
+        self._upload_lock = threading.Lock()
+        self._closed = False
         self.writer = SummaryWriter(
             self.local,
             # Points of earlier attempts after the checkpoint are redone: drop them.
@@ -82,14 +92,21 @@ class TensorBoardLog:
     def record(self, kind: str, data: dict[str, Any]) -> None:
         """One event the worker sends to its supervisor, as TensorBoard points."""
         try:
-            if kind == "metrics":
-                step = int(data["step"])
-                for field, tag in SCALARS.items():
-                    value = data.get(field)
-                    if isinstance(value, int | float) and math.isfinite(value):
-                        self.writer.add_scalar(tag, float(value), step)
-            elif kind == "checkpoint_saved":
-                self._text(int(data["step"]), f"checkpoint saved at step {data['step']}")
+            with self._lock:
+                if self._closed:
+                    return
+                if kind == "metrics":
+                    step = int(data["step"])
+                    for field, tag in SCALARS.items():
+                        value = data.get(field)
+                        if isinstance(value, int | float) and math.isfinite(value):
+                            self.writer.add_scalar(tag, float(value), step)
+                elif kind == "checkpoint_saved":
+                    self._text(int(data["step"]), f"checkpoint saved at step {data['step']}")
+                    self.writer.flush()
+                else:
+                    return
+            if kind == "checkpoint_saved":
                 self._upload()
         except (OSError, KeyError, ValueError) as e:
             log.warning("TensorBoard log: %s", e)
@@ -98,24 +115,33 @@ class TensorBoardLog:
         self.writer.add_text(MARKERS, text, step)
 
     def _upload(self) -> None:
+        """Copy the attempt's files to the store (outside ``_lock``: the training loop does
+        not wait on the store to draw a point)."""
         if self.upload_to is None:
             return
         from pyarrow import fs as pafs
 
-        self.writer.flush()
-        store, base = pafs.FileSystem.from_uri(self.upload_to)
-        for name in sorted(os.listdir(self.local)):
-            pafs.copy_files(
-                os.path.join(self.local, name),
-                f"{base.rstrip('/')}/{name}",
-                destination_filesystem=store,
-            )
+        with self._upload_lock:
+            if not os.path.isdir(self.local):  # closed, copied and removed meanwhile
+                return
+            store, base = pafs.FileSystem.from_uri(self.upload_to)
+            for name in sorted(os.listdir(self.local)):
+                pafs.copy_files(
+                    os.path.join(self.local, name),
+                    f"{base.rstrip('/')}/{name}",
+                    destination_filesystem=store,
+                )
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         try:
             self.writer.close()
             self._upload()
         except OSError as e:
             log.warning("TensorBoard log: %s", e)
         if self.upload_to is not None:
-            shutil.rmtree(self.local, ignore_errors=True)
+            with self._upload_lock:
+                shutil.rmtree(self.local, ignore_errors=True)

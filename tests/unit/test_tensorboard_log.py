@@ -72,3 +72,17 @@ def test_attempts_and_checkpoints_leave_text_markers(tmp_path: Path) -> None:
         (20, "checkpoint saved at step 20"),
         (20, "attempt 2 began at world size 2, from the checkpoint of step 20"),
     ]
+
+
+def test_a_checkpoint_saved_after_the_attempt_closed_opens_no_second_file(tmp_path: Path) -> None:
+    # The attempt failed and closed its log while its checkpoint writer was still saving:
+    # the writer's late event must not reopen a second event file of the same attempt.
+    log = TensorBoardLog(str(tmp_path), attempt=1, world_size=3, step=0)
+    log.record("metrics", metrics(10, 2.0, 3))
+    log.close()
+    log.record("checkpoint_saved", {"step": 20})
+    log.record("metrics", metrics(20, 1.5, 3))
+    log.close()
+    (only,) = Path(directory(str(tmp_path))).iterdir()
+    assert only.name.endswith(".attempt1")
+    assert [(e.step, e.value) for e in read(tmp_path).Scalars("train/loss")] == [(10, 2.0)]
