@@ -414,6 +414,7 @@ class _State:
         self.now, self.knobs, self.quotas = now, knobs, quotas
         self.packer = _Packer(nodes, keys)
         empty = _Packer(nodes, keys)
+        room_when_empty: dict[Shape, int] = {}  # jobs share a few shapes: one count each
         ordered = sorted(jobs, key=_order_key_of)
         self.jobs: list[_Job] = []
         for i, rec in enumerate(ordered):
@@ -423,7 +424,9 @@ class _State:
                 lo = hi = rec.size  # rigid once started
             shape = tuple(float(d.per_worker.get(k, 0.0)) for k in keys)
             job = _Job(rec, i, lo, hi, shape, float(d.per_worker.get("GPU", 0.0)))
-            job.fits_empty = empty.room(shape) >= lo
+            if shape not in room_when_empty:
+                room_when_empty[shape] = empty.room(shape)
+            job.fits_empty = room_when_empty[shape] >= lo
             self.jobs.append(job)
         self.used: dict[str, list[float]] = {}  # owner -> [workers, GPUs] within quota
         # The first job starving for capacity, and per owner the first starving for its
