@@ -18,8 +18,11 @@ start): Ray's state API, asked with no address, picks the latest one; ask it wit
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import functools
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -282,14 +285,34 @@ class LiveServer:
         return httpx.Client(base_url=self.url, headers=headers, timeout=30)
 
 
+@functools.cache
+def shared_checkpoint_dir() -> Path:
+    """One checkpoint directory for every test service of this process. A service probes
+    each Ray node once per checkpoint directory (``elastic/checkpoint_storage.py``: a worker
+    process per node): with a directory per test, every test's first job paid for three
+    probe processes, 148 of the 400 worker processes of a whole run. Job ids are unique, so
+    the tests' jobs do not meet in it; ``test_checkpoint_visibility`` probes directories of
+    its own."""
+    path = Path(tempfile.mkdtemp(prefix="etrain-test-checkpoints-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def make_settings(data_dir: Path, **overrides: Any) -> Any:
-    """Settings of a test service: its own files under ``data_dir/service`` and
-    ``data_dir/checkpoints``; jobs may read the rest of ``data_dir`` (the data root)."""
+    """Settings of a test service: its own files under ``data_dir/service``; jobs may read
+    the rest of ``data_dir`` (the data root). Unless the test names its own checkpoint
+    directory, checkpoints go to :func:`shared_checkpoint_dir`, seen from the test as
+    ``data_dir/checkpoints``."""
     from service.settings import Settings
 
+    if "checkpoint_dir" not in overrides:
+        link = data_dir / "checkpoints"
+        if not link.is_symlink():
+            data_dir.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(shared_checkpoint_dir(), target_is_directory=True)
     values: dict[str, Any] = {
         "data_dir": data_dir / "service",
-        "checkpoint_dir": str(data_dir / "checkpoints"),
+        "checkpoint_dir": str(shared_checkpoint_dir()),
         "data_roots": [str(data_dir)],
         "api_token": TOKEN,
         "ray_namespace": NAMESPACE,
