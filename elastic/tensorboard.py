@@ -103,7 +103,8 @@ class TensorBoardLog:
                             self.writer.add_scalar(tag, float(value), step)
                 elif kind == "checkpoint_saved":
                     self._text(int(data["step"]), f"checkpoint saved at step {data['step']}")
-                    self.writer.flush()
+                    if self.upload_to is not None:  # the copy below takes what is on disk
+                        self.writer.flush()
                 else:
                     return
             if kind == "checkpoint_saved":

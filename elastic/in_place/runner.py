@@ -59,7 +59,11 @@ def lighthouse_server_class() -> Any:
         # Registered first: torchft imported later in this process reuses it (an extension
         # module is initialised once per process).
         sys.modules[_TORCHFT_EXTENSION] = module
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[_TORCHFT_EXTENSION]  # no half-initialised module for later imports
+            raise
     return module.LighthouseServer
 
 
