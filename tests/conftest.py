@@ -1,15 +1,17 @@
 """Shared test fixtures: one real Ray cluster per session, real servers on loopback.
 
-`make test` runs the suite serially, in the files' order. With ``-n 2 --dist loadgroup``
-it runs on two pytest-xdist workers: every test that uses the shared cluster runs on one
-worker, in order (the pool is one set of nodes that tests kill and add back), with the
-``alone`` tests last; the other worker takes the rest: first the tests that start a Ray
-or a service of their own, then the unit tests. Tests marked ``alone`` bound a pause:
-while one runs, the other worker's tests wait, so that it has the machine to itself. On
-2 cores the two workers keep the machine about 90 % busy, and tests that bound a pause or
-a shutdown beside the other worker's load fail (README, Tests). (A second cluster for the
-tests that only run jobs, on the other worker, was tried: with two clusters' jobs at once
-every test took about twice as long.)
+`make test` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``); a
+plain ``pytest`` runs it serially, in the files' order. Under xdist every test that uses
+the shared cluster runs on one worker, in order (the pool is one set of nodes that tests
+kill and add back): first the modules whose jobs mostly wait (paced steps), then the rest,
+with the ``alone`` tests last. The other worker takes the rest of the suite: first the
+tests that start a Ray or a service of their own, then the unit tests. Tests marked
+``alone`` (and timed parts of tests, ``machine_share.alone()``) bound a pause or a
+shutdown: while one runs, the other worker's tests wait, so that it has the machine to
+itself. Measured on 2 cores (README, Tests): a serial run keeps the cores about
+two thirds busy; the two workers together keep them busier. A second cluster for the
+tests that only run jobs, on the other worker, was tried twice: with two clusters' jobs at
+once the pool's tests took 1.7 times as long and the whole suite longer.
 
 Several Ray clusters run on the machine at once (this pool, and the heads some modules
 start): Ray's state API, asked with no address, picks the latest one; ask it with
@@ -30,7 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import pytest
@@ -56,13 +58,24 @@ STARTS_ITS_OWN = (
 )
 
 
+# Pool modules whose jobs mostly wait (paced steps; the machine about half busy while they
+# run): first on the pool's worker, while the other worker runs the tests that start their
+# own Ray, so that those take the idle CPU and not the CPU of the pool's busiest tests.
+POOL_FIRST = ("test_scheduler", "test_security", "test_limits_idempotency", "test_access")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """xdist's loadgroup hands out the pool's group as one unit (its tests in this order)
+    and every other test as a unit of its own, in this order."""
+
     def order(item: pytest.Item) -> int:
         module = item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
         if "ray_cluster" in item.fixturenames:
-            return 2 if item.get_closest_marker("alone") else 1
-        return 0 if module in STARTS_ITS_OWN else 1
+            if item.get_closest_marker("alone"):
+                return 3
+            return 1 if module in POOL_FIRST else 2
+        return 0 if module in STARTS_ITS_OWN else 2
 
     for item in items:
         if "ray_cluster" in item.fixturenames:
@@ -71,27 +84,61 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=order)  # stable: within a rank, the files' own order
 
 
-@pytest.fixture(autouse=True)
-def machine_share(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Under xdist: an ``alone`` test holds the machine exclusively; a test off the pool holds
-    it shared. A readers-writer lock on two files: a waiting ``alone`` test holds the
-    turnstile, so that no new shared holder slips in ahead of it."""
-    worker = getattr(request.config, "workerinput", None)
-    alone = request.node.get_closest_marker("alone") is not None
-    if worker is None or not (alone or "ray_cluster" not in request.fixturenames):
-        yield
-        return
-    base = Path(tempfile.gettempdir()) / f"etrain-tests-{worker['testrunuid']}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.machine", "a") as machine:
+class MachineShare:
+    """Under xdist, the two workers share the machine through a readers-writer lock on two
+    files: every test holds it shared; a test marked ``alone``, or a timed part of a test
+    (:meth:`alone`), holds it exclusively, so that the other worker's tests wait while it
+    runs. A waiting exclusive holder holds the turnstile, so that no new shared holder slips
+    in ahead of it. Serially there is no other worker, and nothing to hold."""
+
+    def __init__(self, files: tuple[IO[str], IO[str]] | None) -> None:
+        self.files = files  # (turnstile, machine), or None serially
+
+    def take(self, exclusive: bool) -> None:
+        if self.files is None:
+            return
+        turnstile, machine = self.files
         fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
+        fcntl.flock(machine, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+    def give_back(self) -> None:
+        if self.files is None:
+            return
+        turnstile, machine = self.files
+        fcntl.flock(machine, fcntl.LOCK_UN)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """The machine to this test alone for a timed part of it. The shared hold goes
+        first: two workers that both asked while holding it shared would wait for each
+        other."""
+        self.give_back()
+        self.take(exclusive=True)
         try:
             yield
         finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            self.give_back()
+            self.take(exclusive=False)
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request: pytest.FixtureRequest) -> Iterator[MachineShare]:
+    worker = getattr(request.config, "workerinput", None)
+    alone = request.node.get_closest_marker("alone") is not None
+    if worker is None:
+        yield MachineShare(None)
+        return
+    base = Path(tempfile.gettempdir()) / f"etrain-tests-{worker['testrunuid']}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.machine", "a") as machine:
+        share = MachineShare((turnstile, machine))
+        share.take(exclusive=alone)
+        try:
+            yield share
+        finally:
+            share.give_back()
 
 
 class ClusterPool:
@@ -198,8 +245,11 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
 
 def wait_until_the_scheduler_sees_the_pool(timeout_s: float = 30.0) -> None:
     """The cluster's scheduler (the shared membership watcher, which polls Ray every 0.5 s)
-    sees every node of the pool with its CPU free and unclaimed: a job submitted now starts
-    at the pool's full size, not on the part of a restored pool the watcher has seen."""
+    sees every node of the pool with its CPU free and unclaimed, and plans for no job: a job
+    submitted now starts at the pool's full size, not on the part of a restored pool the
+    watcher has seen, nor beside a killed job the scheduler still plans for (it forgets a
+    supervisor that died without saying so within elastic.capacity.SCHEDULER_CHECK_S; two
+    jobs were seen to start at 1 worker of 3 in that window)."""
     import ray
 
     from elastic.capacity import shared_watcher
@@ -208,9 +258,14 @@ def wait_until_the_scheduler_sees_the_pool(timeout_s: float = 30.0) -> None:
 
     def whole() -> bool:
         snap = ray.get(watcher.snapshot.remote("", -1, 0.0))
-        return bool(snap.workers_free({"CPU": 1.0}) >= POOL_SIZE)
+        view = ray.get(watcher.queue.remote())
+        return bool(
+            snap.workers_free({"CPU": 1.0}) >= POOL_SIZE
+            and not view["running"]
+            and not view["queue"]
+        )
 
-    wait_for(whole, timeout_s, what="the scheduler to see the whole pool free")
+    wait_for(whole, timeout_s, what="the scheduler to see the whole pool free and no job")
 
 
 def wait_until_the_pool_is_free(timeout_s: float = 60.0) -> None:

@@ -411,6 +411,7 @@ def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> Non
     assert steps == list(range(1, 121))
 
 
+@pytest.mark.alone  # it bounds the shutdown's time
 def test_a_sigterm_stops_the_service_and_its_embedded_ray_within_seconds(
     service: Service,
 ) -> None:

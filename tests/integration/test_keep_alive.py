@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 import uvicorn
 from fastapi import FastAPI
 
@@ -72,6 +73,7 @@ def test_an_idle_connection_outlives_the_clients_keep_alive(tmp_path: Path) -> N
         assert answer(sock).startswith(b"HTTP/1.1 200 ")
 
 
+@pytest.mark.alone  # it bounds when the server closes
 def test_an_idle_connection_is_closed_after_the_header_timeout(tmp_path: Path) -> None:
     with (
         serving(tmp_path, header_timeout_s=1.0) as port,
@@ -99,6 +101,7 @@ def test_a_busy_connection_outlives_the_header_timeout(tmp_path: Path) -> None:
             time.sleep(0.25)
 
 
+@pytest.mark.alone  # it bounds when the server closes
 def test_a_request_head_that_never_ends_is_cut_off_after_earlier_requests(
     tmp_path: Path,
 ) -> None:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from jobs.launcher import supervisor_name
-from tests.conftest import NAMESPACE, TOKEN, all_events, free_port, wait_for
+from tests.conftest import NAMESPACE, TOKEN, MachineShare, all_events, free_port, wait_for
 from tests.integration.test_streams import SSE, iter_sse
 from tests.ray_head import blocking_head, clean_env
 
@@ -161,7 +161,9 @@ def api(tmp_path: Path) -> Iterator[Api]:
             server.kill()
 
 
-def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path) -> None:
+def test_jobs_survive_api_sigkills_and_a_graceful_stop(
+    api: Api, tmp_path: Path, machine_share: MachineShare
+) -> None:
     gate = tmp_path / "release"
     api.start()
     with api.client() as client:
@@ -249,31 +251,35 @@ def test_jobs_survive_api_sigkills_and_a_graceful_stop(api: Api, tmp_path: Path)
             yield b"   "
         yield b'"role": "user"}'
 
-    with (
-        api.client() as client,
-        ThreadPoolExecutor(1) as pool,
-        client.stream("GET", f"/v1/jobs/{survivors[0]}/events", headers=SSE, timeout=60) as stream,
-    ):
-        lines = stream.iter_lines()
-        first = next(iter_sse(lines))
-        assert first["id"] == "1"
-        headers = {"content-type": "application/json"}
-        in_flight = pool.submit(client.post, "/v1/users", content=slow_body(), headers=headers)
-        assert uploading.wait(10)
-        stopped_at = time.monotonic()
-        assert api.proc is not None
-        api.proc.send_signal(signal.SIGTERM)
-        rest = list(iter_sse(lines))  # ends without an error: the server closed it cleanly
-        closed_after = time.monotonic() - stopped_at
-        assert rest[-1]["event"] == "reconnect"
-        assert rest[-1]["data"]["reason"].startswith("the service is shutting down")
-        finished = in_flight.result(timeout=30)
-        assert finished.status_code == 201, finished.text
-        assert time.monotonic() - stopped_at >= 2  # it was still arriving when the stop began
-    assert api.proc.wait(30) == 0
-    exited_after = time.monotonic() - stopped_at
-    assert closed_after < 2, closed_after  # streams are told at once, not at the deadline
-    assert exited_after < 6, exited_after
+    # Timed: under xdist the other worker's tests wait meanwhile (tests/conftest.py).
+    with machine_share.alone():
+        with (
+            api.client() as client,
+            ThreadPoolExecutor(1) as pool,
+            client.stream(
+                "GET", f"/v1/jobs/{survivors[0]}/events", headers=SSE, timeout=60
+            ) as stream,
+        ):
+            lines = stream.iter_lines()
+            first = next(iter_sse(lines))
+            assert first["id"] == "1"
+            headers = {"content-type": "application/json"}
+            in_flight = pool.submit(client.post, "/v1/users", content=slow_body(), headers=headers)
+            assert uploading.wait(10)
+            stopped_at = time.monotonic()
+            assert api.proc is not None
+            api.proc.send_signal(signal.SIGTERM)
+            rest = list(iter_sse(lines))  # ends without an error: the server closed it cleanly
+            closed_after = time.monotonic() - stopped_at
+            assert rest[-1]["event"] == "reconnect"
+            assert rest[-1]["data"]["reason"].startswith("the service is shutting down")
+            finished = in_flight.result(timeout=30)
+            assert finished.status_code == 201, finished.text
+            assert time.monotonic() - stopped_at >= 2  # it was still arriving when the stop began
+        assert api.proc.wait(30) == 0
+        exited_after = time.monotonic() - stopped_at
+        assert closed_after < 2, closed_after  # streams are told at once, not at the deadline
+        assert exited_after < 6, exited_after
     api.proc = None
     assert "Traceback" not in api.log.read_text().split("Uvicorn running")[-1]
 
