@@ -40,8 +40,8 @@ $(CHROMIUM):
 run: $(RUN_STAMP) $(JS_STAMP)
 	$(VENV)/bin/etrain serve
 
-# Two pytest-xdist workers, the Ray pool's tests split between them (tests/conftest.py): on
-# 2 cores a serial run leaves a third of the CPU idle while tests wait on paced jobs.
+# Two pytest-xdist workers (tests/conftest.py): the Ray pool's tests in order on one, the rest
+# on the other. On 2 cores a serial run leaves a third of the CPU idle while tests wait.
 test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
