@@ -541,6 +541,12 @@ class JobLoop:
         if self.attempt is not None and attempt == self.attempt.number:
             self.attempt.worker_nodes[rank] = node_id
 
+    def replica_trained(self, attempt: int, replica: int) -> None:
+        """In place: a replica of this attempt committed its first step."""
+        mark = getattr(self.runner, "replica_trained", None)
+        if mark is not None and self.attempt is not None and attempt == self.attempt.number:
+            mark(replica)
+
     def should_pause(self, attempt: int, step: int) -> bool:
         """Asked by rank 0 right after each checkpoint: stop here so the job can grow, or leave
         a draining node?"""

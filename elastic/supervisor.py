@@ -93,6 +93,9 @@ class Supervisor:
     async def register_worker(self, attempt: int, rank: int, node_id: str) -> None:
         self.loop.register_worker(attempt, rank, node_id)
 
+    async def replica_trained(self, attempt: int, replica: int) -> None:
+        self.loop.replica_trained(attempt, replica)
+
     async def should_pause(self, attempt: int, step: int) -> bool:
         return self.loop.should_pause(attempt, step)
 

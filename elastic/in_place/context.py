@@ -84,6 +84,7 @@ class InPlaceContext(TrainContext):
         self.leaving = threading.Event()
         self.save_on_leave = False
         self._logs_open = False
+        self._told_trained = False
         self._buckets: GradientBuckets | None = None  # built at the first step
 
     @property
@@ -210,6 +211,9 @@ class InPlaceContext(TrainContext):
             # Healed, or in step with its peers: only a committed step shows it. A heal cut
             # short (its sender lost) leaves this replica's own, older state.
             self.must_heal = False
+            if not self._told_trained:
+                self._told_trained = True
+                self._tell_trained()
             window_samples += global_batch
             if batch.ends_epoch and self.worker.rank == 0:
                 # The job's log says where it is, for the dashboard's log pane.
@@ -231,6 +235,13 @@ class InPlaceContext(TrainContext):
                 self.checkpoints.save(self.step)
                 if self.step == last_step:
                     self.checkpoints.wait()
+
+    def _tell_trained(self) -> None:
+        """Its first committed step: the supervisor now counts it a survivor whose training
+        a fast fence of a silent peer protects (elastic/in_place/watchdog.py)."""
+        supervisor = self.worker.supervisor
+        if supervisor is not None:
+            supervisor.replica_trained.remote(self.worker.config.attempt, self.replica)
 
     def _announce(self, change: QuorumChange) -> None:
         """The job's events for a change of the quorum: a loss (or a drain), a join, and a

@@ -74,6 +74,8 @@ class InPlaceRunner:
         self.actors: dict[int, Any] = {}
         # Replicas told to leave a draining node: not a loss when their heartbeats stop.
         self.leaving: set[int] = set()
+        # Replicas that have committed a step: the survivors a fast fence protects.
+        self.trained: set[int] = set()
         self.starting = 1  # replicas placed at the attempt's start (they start together)
         self.stopped = asyncio.Event()
         # How many replicas the attempt keeps placed (the scheduler's size for the job; else
@@ -113,6 +115,7 @@ class InPlaceRunner:
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.stopped = asyncio.Event()
         self.grow = asyncio.Event()
+        self.trained = set()
         self.starting = spec.world_size
         self.limit = int(self.plan["max_workers"] if spec.replicas is None else spec.replicas)
         lighthouse = self._lighthouse()
@@ -224,7 +227,8 @@ class InPlaceRunner:
                 for index in self.actors
                 if index not in self.leaving
             }
-            for rid, dropped_for in detector.dropped(ids, ages).items():
+            trained = {replica_id(supervisor, index) for index in self.trained}
+            for rid, dropped_for in detector.dropped(ids, ages, trained).items():
                 lost = self.actors.get(ids[rid])
                 log.warning("in-place: replica %s dropped by the lighthouse; aborting", rid)
                 if lost is not None:
@@ -232,6 +236,9 @@ class InPlaceRunner:
                 for actor in list(self.actors.values()):
                     if actor is not lost:
                         actor.abort_step.remote(dropped_for)
+
+    def replica_trained(self, index: int) -> None:
+        self.trained.add(index)
 
     def leave(self, indices: set[int]) -> set[int]:
         """Replicas ``indices`` are on draining nodes: each leaves the quorum at its next step

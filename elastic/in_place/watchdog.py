@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 POLL_S = 0.1
 
@@ -34,25 +34,42 @@ def read_ages(lighthouse: str, timeout_s: float = 1.0) -> dict[str, float]:
         return heartbeat_ages(response.read().decode())
 
 
+# How long a replica may be silent when no other replica that has trained is heard. The
+# fast drop (the lighthouse's heartbeat timeout) is there to free survivors from a
+# collective with a lost peer; with no trained survivor heard, it frees nobody, and a
+# silence of the whole job is more likely the machine than the job: on a loaded 2-core
+# machine a lone replica's fast drop was a false alarm that cost a restart (seen in a
+# parallel test run, 2026-11-25). A truly frozen lone replica is fenced after this.
+ALONE_TIMEOUT_S = 5.0
+
+
 class LossDetector:
     """Which live replicas the lighthouse has just dropped: a replica counts once it has
-    been heard from, and is reported once."""
+    been heard from, and is reported once; at the lighthouse's timeout while another
+    replica that has trained is heard, else only after ``alone_timeout_s``."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, alone_timeout_s: float = ALONE_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
+        self.alone_timeout_s = alone_timeout_s
         self.heard: set[str] = set()
         self.reported: set[str] = set()
 
-    def dropped(self, live: Iterable[str], ages: dict[str, float]) -> dict[str, float]:
-        """replica id -> how long ago the lighthouse dropped it, for each newly dropped."""
+    def dropped(
+        self, live: Iterable[str], ages: dict[str, float], trained: Collection[str]
+    ) -> dict[str, float]:
+        """replica id -> how long ago the lighthouse dropped it, for each newly dropped.
+        ``trained``: the replicas that have committed a step (a joiner still healing is no
+        survivor: it cannot train without the peer it heals from)."""
+        live = list(live)
+        heard_now = {rid for rid in live if ages.get(rid, self.timeout_s) < self.timeout_s}
+        self.heard |= heard_now
         out = {}
         for rid in live:
             age = ages.get(rid)
-            if age is None:
+            if age is None or rid in heard_now or rid not in self.heard or rid in self.reported:
                 continue
-            if age < self.timeout_s:
-                self.heard.add(rid)
-            elif rid in self.heard and rid not in self.reported:
+            survivors = (heard_now & set(trained)) - {rid}
+            if survivors or age >= self.alone_timeout_s:
                 self.reported.add(rid)
                 out[rid] = age - self.timeout_s
         return out

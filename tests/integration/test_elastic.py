@@ -115,12 +115,19 @@ def assert_shrank_to_2_and_grew_back(
 
 
 def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: str) -> dict:
+    last: dict[str, Any] = {}
+
     def check() -> dict | None:
-        job = get(api, job_id)
+        job = last["job"] = get(api, job_id)
         assert job["state"] not in TERMINAL or test(job), job
         return job if test(job) else None
 
-    return wait_for(check, timeout, interval=0.1, what=what)
+    try:
+        return wait_for(check, timeout, interval=0.1, what=what)
+    except AssertionError as e:  # where the job was when the wait gave up says why
+        job = last.get("job", {})
+        seen = {k: job.get(k) for k in ("state", "world_size", "step", "message")}
+        raise AssertionError(f"{e}; the job: {seen}") from None
 
 
 def final_state(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:

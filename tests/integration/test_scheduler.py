@@ -28,7 +28,6 @@ from tests.integration.test_elastic import (
     events,
     get,
     samples_that_count,
-    states,
     wait_until,
 )
 from tests.integration.test_in_place import committed_samples
@@ -117,7 +116,13 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
 
     assert done["state"] == "succeeded" and done["step"] == steps
     assert sizes(api, high["id"]) == [2]
-    assert states(api, low["id"]) == ["queued", "starting", "running", "succeeded"]
+    # A state change's reason says what went wrong when the job recovered after all.
+    changes = [
+        (e["data"]["state"], e["data"].get("reason")) for e in events(api, low["id"], "state")
+    ]
+    assert [state for state, _ in changes] == ["queued", "starting", "running", "succeeded"], (
+        changes
+    )
     why_shrunk = f"shrunk for job {high['id']} (priority 100)"
     told = scheduled(api, low["id"])
     # Back to 3 at once, or in two steps when the high job's two workers were handed back

@@ -58,13 +58,49 @@ def test_a_real_lighthouse_page_is_read() -> None:
 def test_a_dropped_replica_is_reported_once_and_only_after_it_was_heard() -> None:
     d = LossDetector(0.5)
     live = ["r0", "r1", "r2"]
+    trained = set(live)
     # r2 never heartbeated fresh (a replica still starting): never reported.
-    assert d.dropped(live, {"r0": 0.1, "r1": 0.1, "r2": 3.0}) == {}
-    out = d.dropped(live, {"r0": 0.1, "r1": 0.62, "r2": 3.0})
+    assert d.dropped(live, {"r0": 0.1, "r1": 0.1, "r2": 3.0}, trained) == {}
+    out = d.dropped(live, {"r0": 0.1, "r1": 0.62, "r2": 3.0}, trained)
     assert out.keys() == {"r1"} and abs(out["r1"] - 0.12) < 1e-9
-    assert d.dropped(live, {"r0": 0.1, "r1": 0.9, "r2": 3.0}) == {}
+    assert d.dropped(live, {"r0": 0.1, "r1": 0.9, "r2": 3.0}, trained) == {}
     # A replica no longer live (finished, replaced) is not watched.
-    assert d.dropped(["r1"], {"r0": 5.0, "r1": 5.0}) == {}
+    assert d.dropped(["r1"], {"r0": 5.0, "r1": 5.0}, trained) == {}
+
+
+def test_a_lone_trained_replica_is_given_the_long_timeout_even_beside_healing_joiners() -> None:
+    """r0 trains alone; r3 and r4 joined and heartbeat but have committed nothing (they heal
+    from r0). A silent r0 frees nobody by a fast fence: it is reported only after the
+    long timeout, and then once."""
+    d = LossDetector(0.3, alone_timeout_s=5.0)
+    live = ["r0", "r3", "r4"]
+    fresh = {"r0": 0.05, "r3": 0.05, "r4": 0.05}
+    assert d.dropped(live, fresh, {"r0"}) == {}
+    assert d.dropped(live, fresh | {"r0": 0.4}, {"r0"}) == {}
+    assert d.dropped(live, fresh | {"r0": 4.9}, {"r0"}) == {}
+    out = d.dropped(live, fresh | {"r0": 5.2}, {"r0"})
+    assert out.keys() == {"r0"} and abs(out["r0"] - 4.9) < 1e-9
+    assert d.dropped(live, fresh | {"r0": 6.0}, {"r0"}) == {}
+
+
+def test_a_silence_of_every_replica_at_once_is_no_loss_until_the_long_timeout() -> None:
+    """Every replica late together (a starved machine, or a starved lighthouse): none is
+    fenced at the heartbeat timeout; a trained peer heard again makes a still-silent one a
+    loss at once."""
+    d = LossDetector(0.3, alone_timeout_s=5.0)
+    live = ["r0", "r1", "r2"]
+    trained = set(live)
+    assert d.dropped(live, {"r0": 0.1, "r1": 0.1, "r2": 0.1}, trained) == {}
+    assert d.dropped(live, {"r0": 0.7, "r1": 0.6, "r2": 0.5}, trained) == {}
+    out = d.dropped(live, {"r0": 0.01, "r1": 0.02, "r2": 0.9}, trained)
+    assert out.keys() == {"r2"} and abs(out["r2"] - 0.6) < 1e-9
+    # A joiner heard while untrained is no survivor for r0; trained r1 is.
+    d = LossDetector(0.3, alone_timeout_s=5.0)
+    fresh = {"r0": 0.05, "r1": 0.05, "r3": 0.05}
+    assert d.dropped(["r0", "r1", "r3"], fresh, {"r0", "r1"}) == {}
+    assert d.dropped(["r0", "r1", "r3"], fresh | {"r0": 0.5, "r1": 0.5}, {"r0", "r1"}) == {}
+    out = d.dropped(["r0", "r1", "r3"], fresh | {"r0": 0.5}, {"r0", "r1"})
+    assert out.keys() == {"r0"}
 
 
 class _Manager:
