@@ -139,6 +139,7 @@ class JobLoop:
 
     async def _schedule(self) -> Step | None:
         began = time.monotonic()
+        short_since: float | None = None  # since when the scheduler's size is not all free
         wait = False  # the first look takes the snapshot at hand; later ones wait for news
         while not self.cancelled:
             snap = await self._next_snapshot(wait)
@@ -172,6 +173,13 @@ class JobLoop:
                     return None
                 self._waiting(self._too_few(fit, grace=False))
                 continue
+            if decided is not None and size < cap and self.state == "queued":
+                # The scheduler counted workers that an ended or shrinking job is still
+                # handing back to Ray: a moment's wait starts this job at its planned size,
+                # rather than small and grown (a restart, in restart mode) seconds later.
+                short_since = time.monotonic() if short_since is None else short_since
+                if time.monotonic() - short_since < self.timing.release_wait_s:
+                    continue
             if self.state == "queued" and self.reservation is None:
                 # Two queued jobs may both see the same free slots: the reservation decides
                 # which one starts; the other stays queued and says why.

@@ -51,3 +51,12 @@ async def queue_view(namespace: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[
     (its docstring has the fields)."""
     view: dict[str, Any] = await _call(namespace, "queue", timeout_s=timeout_s)
     return view
+
+
+async def forget(namespace: str, job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """The job ended and the service stops its supervisor: the scheduler plans without it
+    from now on. A supervisor takes itself off the book as its loop ends, but the service
+    stops it as soon as it has stored the end, which can come first; the scheduler then found
+    it gone only at its next check (``elastic.capacity.SCHEDULER_CHECK_S``), and a job
+    submitted meanwhile was planned beside it: seen starting at 1 worker of 3 free."""
+    await _call(namespace, "unregister", job_id, timeout_s=timeout_s)

@@ -227,6 +227,7 @@ class JobControl:
                 await asyncio.to_thread(launcher.stop_supervisor, handle)
                 self._handles.pop(job_id, None)
                 await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
+                await self._off_the_schedulers_book(job_id)
         await self.sync(job_id)
         return await asyncio.to_thread(self._get, job_id)
 
@@ -366,6 +367,15 @@ class JobControl:
                 # A GCS call: on the event loop it held every request while it ran.
                 await asyncio.to_thread(launcher.stop_supervisor, handle)
                 self._forget(job_id)
+                await self._off_the_schedulers_book(job_id)
+
+    async def _off_the_schedulers_book(self, job_id: str) -> None:
+        """The ended job's workers are free for the next job now, not at the scheduler's next
+        check (see jobs.queue.forget)."""
+        try:
+            await queue.forget(self.settings.ray_namespace, job_id)
+        except Exception as e:  # it finds the stopped supervisor gone by itself anyway
+            log.warning("telling the scheduler that %s ended failed: %s", job_id, e)
 
     def _job_lock(self, job_id: str) -> asyncio.Lock:
         return self._locks.setdefault(job_id, asyncio.Lock())

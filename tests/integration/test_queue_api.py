@@ -224,3 +224,22 @@ def test_a_full_cluster_queues_jobs_by_priority_and_each_user_sees_where_they_st
                 assert all(j not in shown for j in order if j != own["job_id"])
         finally:
             cancel_all(admin)
+
+
+def test_an_ended_job_is_off_the_schedulers_book_when_its_cancel_returns(
+    server: LiveServer,
+) -> None:
+    """Its workers are the next job's at once: a job submitted right after the cancel is not
+    planned beside the ended one (which the scheduler otherwise found gone only at its next
+    check, up to 5 s later; a job submitted then started at 1 worker of 3)."""
+    whole = {**LONG, "scaling": {"min_workers": 1, "max_workers": POOL_SIZE, "cpus_per_worker": 1}}
+    with server.client() as admin:
+        job = admin.post("/v1/jobs", json=whole).json()
+        wait_for(
+            lambda: admin.get(f"/v1/jobs/{job['id']}").json()["state"] == "running",
+            120,
+            what="the job running",
+        )
+        assert [r["job_id"] for r in admin.get("/v1/queue").json()["running"]] == [job["id"]]
+        assert admin.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "cancelled"
+        assert admin.get("/v1/queue").json()["running"] == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
@@ -205,6 +206,7 @@ class Harness:
         self,
         cluster: FakeCluster,
         storage_check: Callable[[], Awaitable[str | None]] | None = None,
+        timing: Timing = FAST,
         **plan: Any,
     ) -> None:
         self.cluster = cluster
@@ -219,7 +221,7 @@ class Harness:
             self.capacity,
             self.checkpoints,
             self.log,
-            FAST,
+            timing,
             self.clock,
             storage_check,
         )
@@ -778,6 +780,33 @@ def test_the_job_registers_its_demand_and_waits_while_the_scheduler_holds_it_bac
         h.runner.end(AttemptOutcome())
         await h.finish()
         assert h.capacity.unregistered
+
+    run(body)
+
+
+def test_a_start_planned_larger_than_what_is_free_waits_a_moment_for_workers_handed_back() -> None:
+    """The scheduler plans a job at 3 while an ended job's worker still holds a node: it
+    starts at 3 once Ray has it back, not at 2 (then grown, a restart, seconds later); when
+    the worker is not handed back within the release wait, it starts at what is free."""
+
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        cluster.take("n0")  # the ended job's worker, on its way out
+        decide(cluster, 3, Change.START, "started")
+        h = Harness(cluster, timing=dataclasses.replace(FAST, release_wait_s=5.0))
+        h.start()
+        await asyncio.sleep(0.2)
+        assert h.runner.specs == []
+        assert h.states() == []  # still queued, as it was
+        cluster.give("n0")
+        assert (await h.attempt(1)).world_size == 3
+
+        cluster = FakeCluster(3)
+        cluster.take("n0")  # held for good
+        decide(cluster, 3, Change.START, "started")
+        h = Harness(cluster, timing=dataclasses.replace(FAST, release_wait_s=0.2))
+        h.start()
+        assert (await h.attempt(1)).world_size == 2
 
     run(body)
 
