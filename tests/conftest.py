@@ -124,6 +124,27 @@ class MachineShare:
             self.take(exclusive=False)
 
 
+# Under xdist, the niceness the worker that runs the tests off the pool takes (and every
+# process it starts after: its Ray heads, its services). The pool's worker is the suite's
+# critical path; the other worker's tests are done minutes before it and can take the CPU
+# the pool's tests leave idle. (Niceness only goes up without privileges: once set, it
+# stays for the worker's life, which holds no pool test after.)
+OFF_POOL_NICENESS = 5
+
+
+def yield_to_the_pool() -> None:
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current < OFF_POOL_NICENESS:
+        os.setpriority(os.PRIO_PROCESS, 0, OFF_POOL_NICENESS)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Before any fixture: a module's service or Ray head started for the test inherits it.
+    if hasattr(item.config, "workerinput") and "ray_cluster" not in item.fixturenames:
+        yield_to_the_pool()
+
+
 @pytest.fixture(autouse=True)
 def machine_share(request: pytest.FixtureRequest) -> Iterator[MachineShare]:
     worker = getattr(request.config, "workerinput", None)
