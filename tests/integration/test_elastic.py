@@ -93,8 +93,14 @@ def events(api: httpx.Client, job_id: str, kind: str | None = None) -> list[dict
     return [e for e in items if kind is None or e["kind"] == kind]
 
 
+def state_changes(api: httpx.Client, job_id: str) -> list[tuple[str, str | None]]:
+    """Each state the job went through, with the reason it gave (what went wrong, when a
+    job recovered that should not have)."""
+    return [(e["data"]["state"], e["data"].get("reason")) for e in events(api, job_id, "state")]
+
+
 def states(api: httpx.Client, job_id: str) -> list[str]:
-    return [e["data"]["state"] for e in events(api, job_id, "state")]
+    return [state for state, _ in state_changes(api, job_id)]
 
 
 def assert_shrank_to_2_and_grew_back(

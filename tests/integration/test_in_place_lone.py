@@ -18,7 +18,13 @@ import pytest
 
 from elastic.in_place.watchdog import ALONE_TIMEOUT_S
 from tests.conftest import ClusterPool, wait_for, wait_until_ended
-from tests.integration.test_elastic import api, events, pool, wait_until  # noqa: F401
+from tests.integration.test_elastic import (  # noqa: F401
+    api,
+    events,
+    pool,
+    state_changes,
+    wait_until,
+)
 from tests.integration.test_elastic import get as get_job
 from tests.integration.test_in_place import in_place_job, replica_pids, stopped
 
@@ -61,16 +67,12 @@ def test_a_lone_replica_stalled_for_a_moment_trains_on_and_one_frozen_for_good_i
     assert ALONE_TIMEOUT_S - 0.1 <= fenced_after < ALONE_TIMEOUT_S + 5, fenced_after
     done = wait_until_ended(api, job["id"])
     assert (done["state"], done["step"]) == ("succeeded", steps), done
-    changes = [
-        (e["data"]["state"], e["data"].get("reason")) for e in events(api, job["id"], "state")
+    assert state_changes(api, job["id"]) == [
+        ("queued", None),
+        ("starting", None),
+        ("running", None),
+        ("recovering", "every replica was lost"),
+        ("running", None),
+        ("succeeded", None),
     ]
-    assert [state for state, _ in changes] == [
-        "queued",
-        "starting",
-        "running",
-        "recovering",
-        "running",
-        "succeeded",
-    ], changes
-    assert changes[3][1] == "every replica was lost", changes
     assert len(events(api, job["id"], "attempt_started")) == 2

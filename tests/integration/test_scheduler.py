@@ -28,6 +28,7 @@ from tests.integration.test_elastic import (
     events,
     get,
     samples_that_count,
+    state_changes,
     wait_until,
 )
 from tests.integration.test_in_place import committed_samples
@@ -117,9 +118,7 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     assert done["state"] == "succeeded" and done["step"] == steps
     assert sizes(api, high["id"]) == [2]
     # A state change's reason says what went wrong when the job recovered after all.
-    changes = [
-        (e["data"]["state"], e["data"].get("reason")) for e in events(api, low["id"], "state")
-    ]
+    changes = state_changes(api, low["id"])
     assert [state for state, _ in changes] == ["queued", "starting", "running", "succeeded"], (
         changes
     )
