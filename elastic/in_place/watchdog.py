@@ -63,13 +63,13 @@ class LossDetector:
         live = list(live)
         heard_now = {rid for rid in live if ages.get(rid, self.timeout_s) < self.timeout_s}
         self.heard |= heard_now
+        trained_heard = heard_now.intersection(trained)
         out = {}
         for rid in live:
             age = ages.get(rid)
             if age is None or rid in heard_now or rid not in self.heard or rid in self.reported:
                 continue
-            survivors = (heard_now & set(trained)) - {rid}
-            if survivors or age >= self.alone_timeout_s:
+            if trained_heard or age >= self.alone_timeout_s:  # (a silent one is not heard)
                 self.reported.add(rid)
                 out[rid] = age - self.timeout_s
         return out

@@ -43,7 +43,9 @@ def test_a_lone_replica_stalled_for_a_moment_trains_on_and_one_frozen_for_good_i
     spec["scaling"] |= {"min_workers": 1, "max_workers": 1}
     job = api.post("/v1/jobs", json=spec).json()
     assert "id" in job, job
-    wait_until(api, job["id"], lambda j: j["state"] == "running" and j["step"] >= 10, 120, "1")
+    wait_until(
+        api, job["id"], lambda j: j["state"] == "running" and j["step"] >= 10, 120, "training"
+    )
     (lone,) = replica_pids()
     os.kill(lone, signal.SIGSTOP)
     time.sleep(1.5)  # five heartbeat timeouts
