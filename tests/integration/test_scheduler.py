@@ -147,7 +147,16 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
         assert {shrink["steps_redone"], *(g["steps_redone"] for g in grows)} == {0}
     else:
         assert sizes(api, low["id"]) == [3]  # one attempt: the quorum went on through both
-        assert resized[0]["to_world"] == 1 and resized[-1]["to_world"] == 3
+        worlds = [r["to_world"] for r in resized]
+        assert worlds[0] == 1 and 3 in worlds, resized
+        # Under the suite's load a replica was once late past the fence's heartbeat timeout
+        # (0.3 s) while its peers were heard (CI, 2026-11-25): fenced, it is a loss and its
+        # replacement joins if the job lasts. Every shrink after the scheduler's is a loss.
+        lost = events(api, low["id"], "worker_lost")
+        shrinks = [r for r in resized[1:] if r["to_world"] < r["from_world"]]
+        assert len(shrinks) <= len(lost), (resized, lost)
+        if not lost:
+            assert worlds[-1] == 3, resized
     # Two new worker processes start for the high job (each imports torch): 20-34 s here
     # with the suite's other worker busy beside it.
     assert started_in < 45, started_in
