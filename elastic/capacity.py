@@ -476,7 +476,7 @@ class RayCapacity:
 
     async def unreachable(self, nodes: Collection[str], timeout_s: float) -> set[str]:
         probes = {
-            node: _answer.options(  # type: ignore[attr-defined]
+            node: _answer.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
             ).remote()
             for node in nodes

@@ -120,7 +120,7 @@ def seed_rank(seed: int, rank: int, step: int = 0) -> None:
 
 def rng_streams() -> dict[str, Any]:
     """This process's generators, in types ``weights_only`` loading accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "numpy": {

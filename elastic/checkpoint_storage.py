@@ -112,7 +112,7 @@ def _exchange(a: Path, b: Path) -> bool:
     if fn is None:
         return False
     rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    return rc == 0
+    return int(rc) == 0
 
 
 class LocalCheckpointStorage:
@@ -504,7 +504,7 @@ async def unshared_checkpoint_dir(
     ]
     sharing: list[str] = []
     try:
-        futures = [asyncio.ensure_future(r) for r in refs]  # type: ignore[arg-type]
+        futures = [asyncio.ensure_future(r) for r in refs]
         await asyncio.wait(futures, timeout=timeout_s)
         problems: list[str] = []
         for i, future in enumerate(futures):

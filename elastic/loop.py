@@ -145,14 +145,14 @@ def _rows(obj: Any, start: int, end: int) -> Any:
     return _map(obj, lambda t: t[start:end])
 
 
-class PerSampleRandom(Dataset):
+class PerSampleRandom(Dataset[Any]):
     """A dataset whose items draw random numbers (augmentations), made to draw them from
     a generator of their own: item ``i`` of epoch ``e`` is seeded by (seed, e, i), so it is
     augmented the same way whichever rank loads it, at any world size, before and after
     a restore. ``ctx.batches`` tells it the epoch. Covers torch's generator (torchvision's
     transforms draw from it)."""
 
-    def __init__(self, dataset: Dataset, seed: int) -> None:
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
         self.dataset, self.seed, self.epoch = dataset, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -360,7 +360,7 @@ class TrainContext:
 
     def batches(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         global_batch_size: int,
         *,
         epochs: int | None = None,
@@ -549,7 +549,10 @@ class TrainContext:
         self._extra_metrics.update(metrics)
 
     def evaluate(
-        self, dataset: Dataset, loss_per_sample: LossPerSample | None = None, batch_size: int = 256
+        self,
+        dataset: Dataset[Any],
+        loss_per_sample: LossPerSample | None = None,
+        batch_size: int = 256,
     ) -> dict[str, float]:
         """The model on a held-out dataset, split across the workers; every rank must call
         it. ``eval_accuracy`` when the outputs are class scores and the targets class ids,

@@ -93,8 +93,8 @@ def forward_output(send: Callable[[list[list[Any]]], None]) -> Iterator[None]:
                 send(lines)
 
     original = sys.stdout, sys.stderr
-    sys.stdout = _Tee(sys.stdout, "stdout", buffer)  # type: ignore[assignment]
-    sys.stderr = _Tee(sys.stderr, "stderr", buffer)  # type: ignore[assignment]
+    sys.stdout = _Tee(sys.stdout, "stdout", buffer)
+    sys.stderr = _Tee(sys.stderr, "stderr", buffer)
     thread = threading.Thread(target=pump, name="etrain-log-forwarder", daemon=True)
     thread.start()
     try:

@@ -119,7 +119,7 @@ class Retrier:
         elif now - self.failing_since >= self.give_up_after:
             raise ConnectionFailed(self.url, reason)
         self.failures += 1
-        return min(5.0, 0.25 * 2 ** (self.failures - 1))
+        return min(5.0, 0.25 * 2.0 ** (self.failures - 1))
 
 
 def transport_reason(error: httpx.TransportError) -> str:

@@ -189,7 +189,7 @@ def ray_temp_dirs() -> list[str]:
     import ray
     from ray._common.utils import get_default_ray_temp_dir
 
-    dirs = [str(get_default_ray_temp_dir())]  # type: ignore[no-untyped-call]
+    dirs = [str(get_default_ray_temp_dir())]
     if ray.is_initialized():
         with contextlib.suppress(Exception):  # a client connection may not know it
             dirs.append(str(ray.get_runtime_context().get_temp_dir()))

@@ -11,7 +11,7 @@ from typing import Any
 import ray
 
 from elastic.capacity import shared_watcher
-from elastic.scheduling import Knobs
+from elastic.scheduling import Knobs as Knobs  # the service builds them: re-exported
 
 # The scheduler answers from memory: longer than this means it is not running (its node is
 # being declared dead, or it is being re-created), and the caller says so rather than hang.

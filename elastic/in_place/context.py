@@ -105,9 +105,9 @@ class InPlaceContext(TrainContext):
 
     # -- the steps ---------------------------------------------------------------------------
 
-    def batches(  # type: ignore[override]
+    def batches(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         global_batch_size: int,
         *,
         epochs: int | None = None,
@@ -291,7 +291,10 @@ class InPlaceContext(TrainContext):
         threading.Thread(target=close, name="etrain-logs-hand-off", daemon=True).start()
 
     def evaluate(
-        self, dataset: Dataset, loss_per_sample: LossPerSample | None = None, batch_size: int = 256
+        self,
+        dataset: Dataset[Any],
+        loss_per_sample: LossPerSample | None = None,
+        batch_size: int = 256,
     ) -> dict[str, float]:
         """Each replica evaluates the whole held-out set on its own: a replica is a world of
         one, every replica holds the same model, and no collective outside the quorum's

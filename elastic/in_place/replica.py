@@ -95,11 +95,11 @@ def _manager_server_bound_to(host: str) -> Iterator[None]:
         address = f"[{host}]" if ":" in host else host
         return server(*args, bind=f"{address}:{port}", **kwargs)
 
-    torchft_manager.ManagerServer = bound  # type: ignore[assignment,misc]
+    torchft_manager.ManagerServer = bound
     try:
         yield
     finally:
-        torchft_manager.ManagerServer = server  # type: ignore[misc]
+        torchft_manager.ManagerServer = server
 
 
 def _node_bound_gloo(host: str, timeout: timedelta) -> Any:

@@ -35,7 +35,8 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(32, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
+        logits: torch.Tensor = self.head(self.features(x).flatten(1))
+        return logits
 
 
 def build_model(hp: ImageClassificationHyperparameters) -> nn.Module:
@@ -45,10 +46,13 @@ def build_model(hp: ImageClassificationHyperparameters) -> nn.Module:
         return SmallCNN(hp.num_classes)
     import torchvision
 
-    return torchvision.models.get_model(hp.model, weights=None, num_classes=hp.num_classes)
+    model: nn.Module = torchvision.models.get_model(
+        hp.model, weights=None, num_classes=hp.num_classes
+    )
+    return model
 
 
-class SyntheticImages(Dataset):
+class SyntheticImages(Dataset[Any]):
     """Seeded images that carry their class (a per-class pattern plus noise), so a model can
     learn them and a loss curve means something. Sample ``i`` is the same on every node."""
 
@@ -112,7 +116,7 @@ def augmentations(hp: ImageClassificationHyperparameters) -> list[Any]:
     return steps
 
 
-class Cifar10(Dataset):
+class Cifar10(Dataset[Any]):
     """CIFAR-10's python batches (``data_batch_1``..``5``, ``test_batch``) from a directory;
     nothing is downloaded."""
 
@@ -141,7 +145,9 @@ class Cifar10(Dataset):
         return self.transform(self.images[i]), self.labels[i]
 
 
-def build_datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dataset | None]:
+def build_datasets(
+    hp: ImageClassificationHyperparameters,
+) -> tuple[Dataset[Any], Dataset[Any] | None]:
     """The training set and the held-out set evaluated after each epoch (None: no
     evaluation). With augmentations, each training sample draws them from its own
     generator, seeded by (seed, epoch, index): the same at every world size."""
@@ -151,7 +157,7 @@ def build_datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dat
     return train, held_out
 
 
-def _datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dataset | None]:
+def _datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset[Any], Dataset[Any] | None]:
     if hp.dataset == "synthetic":
         from torchvision.transforms import v2
 
@@ -209,7 +215,7 @@ def _datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset, Dataset 
     )
 
 
-def build_dataset(hp: ImageClassificationHyperparameters) -> Dataset:
+def build_dataset(hp: ImageClassificationHyperparameters) -> Dataset[Any]:
     return build_datasets(hp)[0]
 
 

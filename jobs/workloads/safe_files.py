@@ -184,7 +184,7 @@ def image_folder(root: Path, field: str, transform: Any) -> Any:
     def is_valid(path: str) -> bool:
         return path.lower().endswith(IMAGE_EXTENSIONS) and inside(root, path)
 
-    class Tree(datasets.ImageFolder):
+    class Tree(datasets.ImageFolder):  # type: ignore[misc]  # torchvision ships no hints
         def find_classes(self, directory: str) -> tuple[list[str], dict[str, int]]:
             # Class directories inside the tree only: a link out of it is no class.
             names = sorted(

@@ -83,7 +83,7 @@ def read_examples(path: str, field: str = "data_path") -> list[tuple[str, str]]:
     return out
 
 
-class EncodedTexts(Dataset):
+class EncodedTexts(Dataset[Any]):
     def __init__(
         self,
         examples: list[tuple[str, str]],
@@ -134,12 +134,13 @@ class TextEncoderClassifier(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device)
         x = self.dropout(self.tokens(ids) + self.positions(positions))
         x = self.encoder(x, src_key_padding_mask=ids == 0)
-        return self.head(self.norm(x[:, 0]))
+        logits: torch.Tensor = self.head(self.norm(x[:, 0]))
+        return logits
 
 
 def build_data(
     hp: TextClassificationHyperparameters,
-) -> tuple[Dataset, Dataset | None, Tokenizer, dict[str, int]]:
+) -> tuple[Dataset[Any], Dataset[Any] | None, Tokenizer, dict[str, int]]:
     """The training and held-out sets, the tokenizer and the label ids, the same on every
     worker (nothing random but the seeded split)."""
     examples = read_examples(hp.data_path)
@@ -159,8 +160,8 @@ def build_data(
         )
     )
     everything = EncodedTexts(examples, tokenizer, labels, hp.max_length)
-    train: Dataset = Subset(everything, train_idx)
-    evaluation: Dataset | None = Subset(everything, held_out) if held_out else None
+    train: Dataset[Any] = Subset(everything, train_idx)
+    evaluation: Dataset[Any] | None = Subset(everything, held_out) if held_out else None
     if hp.eval_path is not None:
         evaluation = EncodedTexts(
             read_examples(hp.eval_path, "eval_path"), tokenizer, labels, hp.max_length
