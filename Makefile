@@ -46,7 +46,7 @@ test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n 2 --dist loadgroup -ra --durations=15
+	$(PY) -m pytest -n 2 --dist loadgroup -ra --durations=40
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
