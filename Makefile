@@ -42,11 +42,13 @@ run: $(RUN_STAMP) $(JS_STAMP)
 
 # Two pytest-xdist workers (tests/conftest.py): the Ray pool's tests in order on one, the rest
 # on the other. On 2 cores a serial run leaves a third of the CPU idle while tests wait.
+# PYTEST_WRAP runs pytest under another command, e.g. where its CPU goes:
+# PYTEST_WRAP="$(PY) -m bench.suite_cpu --" make test
 test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n 2 --dist loadgroup -ra --durations=40
+	$(PYTEST_WRAP) $(PY) -m pytest -n 2 --dist loadgroup -ra --durations=40
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
