@@ -56,9 +56,11 @@ def process_kind(argv: list[str]) -> str:
         return first.split()[0].split(".")[0]
     program = os.path.basename(first.split()[0])
     if program.startswith("python") and len(argv) > 1:
-        rest = [a for a in argv[1:] if not a.startswith("-") or a == "-m"]
+        rest = [a for a in argv[1:] if not a.startswith("-") or a in ("-m", "-c")]
         if rest[:1] == ["-m"] and len(rest) > 1:
             return f"python:-m {rest[1]}"
+        if rest[:1] == ["-c"] and len(rest) > 1:  # pytest-xdist's workers, multiprocessing's
+            return f"python:-c {rest[1][:24]}"
         return f"python:{os.path.basename(rest[0])}" if rest else program
     return program
 
@@ -97,16 +99,23 @@ def machine_busy_s() -> tuple[float, float]:
     return (sum(fields[:8]) - idle) / TICKS, idle / TICKS
 
 
-def read_process(pid: str) -> tuple[tuple[str, str], float, list[str]] | None:
+PF_KTHREAD = 0x00200000
+
+
+def read_process(pid: str) -> tuple[tuple[str, str], float, list[str] | None] | None:
+    """(pid, start time), CPU-seconds so far, and its command line: None while it is a
+    zombie (which reads as an empty one: it keeps the kind it had)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
     fields = stat.rsplit(")", 1)[1].split()
-    # utime and stime are fields 14 and 15 of stat; starttime 22 (1-based, with pid and comm)
+    # Fields of stat from the state on: state 0, flags 6, utime 11, stime 12, starttime 19.
     cpu = (int(fields[11]) + int(fields[12])) / TICKS
-    argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    argv: list[str] | None = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+    if not argv and not int(fields[6]) & PF_KTHREAD:
+        argv = None  # exited, not yet reaped
     return (pid, fields[19]), cpu, argv
 
 
@@ -125,13 +134,14 @@ class Sampler:
             if read is None:
                 continue
             key, cpu, argv = read
-            kind = process_kind(argv)
+            kind = process_kind(argv) if argv is not None else None
             entry = self.seen.get(key)
             if entry is None:
-                self.seen[key] = Seen(kind, cpu, cpu, before=self.first)
+                self.seen[key] = Seen(kind or "exited", cpu, cpu, before=self.first)
                 continue
             entry.cpu = cpu
-            if kind != "ray::IDLE":  # a Ray worker's title names its actor once it has one
+            # A Ray worker's title names its actor once it has one, and keeps it while idle.
+            if kind is not None and kind != "ray::IDLE":
                 entry.kind = kind
         self.first = False
 
