@@ -80,12 +80,17 @@ def test_a_job_logs_one_run_that_a_recreated_supervisor_continues(
             gate.touch()
         assert done["state"] == "succeeded" and done["step"] == STEPS
         series = api.get(f"/v1/jobs/{job['id']}/metrics").json()["columns"]
-        attempts = [
-            e["data"]["attempt"]
+        started = [
+            e["data"]
             for e in api.get(f"/v1/jobs/{job['id']}/events").json()["items"]
             if e["kind"] == "attempt_started"
         ]
-    assert len(attempts) == 2
+    attempts = [a["attempt"] for a in started]
+    sizes = [a["world_size"] for a in started]
+    # The re-created supervisor starts at what is free: on a loaded machine the killed one's
+    # workers were once not handed back yet, and it began at 1 (a fresh clone, 2026-11-28);
+    # it may then grow back to 2, a third attempt.
+    assert sizes in ([2, 2], [2, 1], [2, 1, 2]), sizes
 
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1  # the re-created supervisor's attempt found the job's run
@@ -96,8 +101,11 @@ def test_a_job_logs_one_run_that_a_recreated_supervisor_continues(
     assert run.data.tags[f"etrain.attempt.{attempts[0]}"] == "began at world size 2, from the start"
     assert (
         run.data.tags[f"etrain.attempt.{attempts[1]}"]
-        == "began at world size 2, from the checkpoint of step 10"
+        == f"began at world size {sizes[1]}, from the checkpoint of step 10"
     )
+    if len(attempts) == 3:
+        grew = run.data.tags[f"etrain.attempt.{attempts[2]}"]
+        assert grew.startswith("began at world size 2, from the checkpoint of step "), grew
     assert run.data.params["hyperparameters.max_steps"] == str(STEPS)
     assert run.data.params["hyperparameters.gate"] == str(gate)
     assert run.data.params["etrain.min_workers"] == "1"
@@ -114,9 +122,9 @@ def test_a_job_logs_one_run_that_a_recreated_supervisor_continues(
     last = max(loss, key=lambda m: (m.step, m.timestamp))
     assert last.step == STEPS == series["step"][-1]
     assert last.value == pytest.approx(series["loss"][-1], rel=1e-12)
-    assert run.data.metrics["train/world_size"] == 2
+    assert run.data.metrics["train/world_size"] == sizes[-1]
     world = client.get_metric_history(run.info.run_id, "train/world_size")
-    assert {m.value for m in world} == {2.0}
+    assert {m.value for m in world} == set(map(float, sizes))
 
 
 def test_the_service_refuses_to_start_with_a_tracking_uri_and_no_mlflow(
