@@ -17,7 +17,7 @@ per job and per worker costs.
 A process seen before the command started counts only the CPU it used during the run. A
 process that lived less than one interval may be missed, and each one's last interval is
 lost: the per-kind figures are lower bounds; the machine's total is exact. The sampler
-itself is listed (``python:suite_cpu.py``).
+itself is listed (``python:-m bench.suite_cpu``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TICKS = os.sysconf("SC_CLK_TCK")
+PF_KTHREAD = 0x00200000  # a kernel thread's flag in /proc/PID/stat
 SUITE = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-ra", "--durations=40"]
 # What a training process (restart mode's WarmWorker, in place's Replica) imports before its
 # first step: torch's optimizers import torch._dynamo on their first use.
@@ -92,14 +93,11 @@ def totals(seen: Iterable[Seen]) -> list[KindTotal]:
     )
 
 
-def machine_busy_s() -> tuple[float, float]:
-    """(busy, idle) CPU-seconds of the whole machine since boot: every core's ticks."""
+def machine_busy_s() -> float:
+    """Busy CPU-seconds of the whole machine since boot, every core's."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     idle = fields[3] + fields[4]  # idle and iowait
-    return (sum(fields[:8]) - idle) / TICKS, idle / TICKS
-
-
-PF_KTHREAD = 0x00200000
+    return (sum(fields[:8]) - idle) / TICKS
 
 
 def read_process(pid: str) -> tuple[tuple[str, str], float, list[str] | None] | None:
@@ -177,12 +175,12 @@ def main() -> None:
     imports = import_cpu_s(args.import_runs)
     sampler = Sampler(args.interval)
     thread = threading.Thread(target=sampler.run, daemon=True)
-    busy0, _ = machine_busy_s()
+    busy0 = machine_busy_s()
     started = time.monotonic()
     thread.start()
     rc = subprocess.run(command).returncode
     wall = time.monotonic() - started
-    busy1, _ = machine_busy_s()
+    busy1 = machine_busy_s()
     sampler.done.set()
     thread.join()
 
