@@ -402,6 +402,7 @@ class TrainContext:
             num_workers=0,
             collate_fn=collate_fn,
             pin_memory=self.device.type == "cuda",
+            generator=_detached_generator(),
         )
         samples = _SampleLog(self.worker, record_samples)
         # After the loop has built (and seeded alike) its model: from here on each rank
@@ -573,7 +574,10 @@ class TrainContext:
                 if hi <= lo and not is_sharded(model):
                     break
                 idx = list(range(lo, hi)) if hi > lo else [0]
-                inputs, targets = next(iter(DataLoader(Subset(dataset, idx), batch_size=len(idx))))
+                rows = DataLoader(
+                    Subset(dataset, idx), batch_size=len(idx), generator=_detached_generator()
+                )
+                inputs, targets = next(iter(rows))
                 inputs = self._cast(_map(inputs, lambda t: t.to(self.device)))
                 targets = targets.to(self.device)
                 with self.precision.autocast():
@@ -647,6 +651,14 @@ class TrainContext:
             self.checkpoints.wait()
         if pause:
             raise PausedForResize(self.step)
+
+
+def _detached_generator() -> torch.Generator:
+    """A generator of the loader's own. Each ``iter(DataLoader)`` draws a seed for its
+    workers from its generator, by default the process's: a resumed run, which builds its
+    loader after restoring the streams, would take one draw more than the uninterrupted run
+    had, and every later dropout mask and random augmentation would differ."""
+    return torch.Generator()
 
 
 def run_with_context(

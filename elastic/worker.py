@@ -7,7 +7,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
+# Ray is imported only where a supervisor is involved: a standalone worker (a process group
+# formed by hand, the GPU checks in tests/gpu) runs where Ray is not installed.
 import torch
 
 from elastic import mlflow_log
@@ -87,6 +88,8 @@ class WorkerContext:
             train = get_context()
             rank, world_size = train.get_world_rank(), train.get_world_size()
             device = device or get_device()
+        import ray
+
         meta = WorkerConfig.from_dict(config["_elastic"])
         supervisor = None
         if meta.supervisor:
@@ -166,6 +169,8 @@ class WorkerContext:
         Asked as soon as the state is copied, not after it is written."""
         if self.supervisor is None:
             return False
+        import ray
+
         return bool(ray.get(self.supervisor.should_pause.remote(self.attempt, step), timeout=30))
 
     def watch_for_drain(self, every_s: float = DRAIN_POLL_S) -> None:
@@ -174,6 +179,7 @@ class WorkerContext:
         supervisor = self.supervisor
         if supervisor is None:
             return
+        import ray
 
         def poll() -> None:
             while not self._closed.wait(every_s):
