@@ -11,6 +11,8 @@ TEST_STAMP := $(VENV)/.installed-test-$(DEPS_HASH)
 JS_HASH := $(shell cat dashboards/package.json dashboards/package-lock.json | sha256sum | cut -c1-12)
 JS_STAMP := dashboards/node_modules/.installed-$(JS_HASH)
 CHROMIUM := /usr/bin/chromium
+# The failure tests on nodes that are hosts (tests/hosts.py): namespaces, a bridge, nftables.
+NFT := /usr/sbin/nft
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test lint typecheck clean
@@ -32,10 +34,11 @@ $(JS_STAMP):
 	cd dashboards && npm ci --no-audit --no-fund
 	@touch $@
 
-# The browser tests drive Debian's Chromium (Playwright never downloads a browser here).
-$(CHROMIUM):
+# The browser tests drive Debian's Chromium (Playwright never downloads a browser here); the
+# tests on nodes that are hosts need iproute2 and nftables. One install for all of them.
+$(CHROMIUM) $(NFT) &:
 	$(SUDO) apt-get update
-	$(SUDO) apt-get install -y chromium
+	$(SUDO) apt-get install -y chromium nftables iproute2
 
 run: $(RUN_STAMP) $(JS_STAMP)
 	$(VENV)/bin/etrain serve
@@ -44,7 +47,7 @@ run: $(RUN_STAMP) $(JS_STAMP)
 # on the other. On 2 cores a serial run leaves a third of the CPU idle while tests wait.
 # PYTEST_WRAP runs pytest under another command, e.g. where its CPU goes:
 # PYTEST_WRAP="$(PY) -m bench.suite_cpu --" make test
-test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM)
+test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM) $(NFT)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy

@@ -95,10 +95,13 @@ def _writers_done(timeout_s: float) -> bool:
 @ray.remote(max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]
 class WarmWorker:
     def __init__(self) -> None:
+        from elastic.addresses import bind_gloo_to
+
         self.store: Any = None
         # Its node's raylet gone, it ends at once (not at Ray's check a second later): the
         # survivors' collectives fail now, and the attempt ends on that.
         die_with_parent()
+        bind_gloo_to(ray.util.get_node_ip_address())
 
     def warm(self, train_loop: str) -> tuple[str, int]:
         """Import what every attempt needs, once; returns (node id, pid)."""

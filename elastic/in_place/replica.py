@@ -40,8 +40,10 @@ def make_manager(
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.manager import Manager
 
+    from elastic.addresses import bind_gloo_to
     from elastic.process_group import bound_store
 
+    bind_gloo_to(host)
     timeout = timedelta(seconds=timeout_s)
     # The replica group's own store (a group of one): loopback only.
     store, listener = bound_store("127.0.0.1", 1, timeout_s)
@@ -88,12 +90,13 @@ def make_manager(
 def _manager_server_bound_to(host: str) -> Iterator[None]:
     import torchft.manager as torchft_manager
 
+    from elastic.addresses import url_host
+
     server = torchft_manager.ManagerServer
 
     def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
         port = bind.rsplit(":", 1)[1]
-        address = f"[{host}]" if ":" in host else host
-        return server(*args, bind=f"{address}:{port}", **kwargs)
+        return server(*args, bind=f"{url_host(host)}:{port}", **kwargs)
 
     torchft_manager.ManagerServer = bound
     try:
@@ -105,6 +108,7 @@ def _manager_server_bound_to(host: str) -> Iterator[None]:
 def _node_bound_gloo(host: str, timeout: timedelta) -> Any:
     from torchft.process_group import ProcessGroupGloo
 
+    from elastic.addresses import url_host
     from elastic.process_group import bound_store
 
     class NodeBoundGloo(ProcessGroupGloo):  # type: ignore[misc]
@@ -114,8 +118,7 @@ def _node_bound_gloo(host: str, timeout: timedelta) -> Any:
                 store, self._rendezvous_listener = bound_store(host, 1, timeout.total_seconds())
                 self._rendezvous_store = store
             handle = json.loads(super().get_reconfigure_handle())
-            address = f"[{host}]" if ":" in host else host
-            handle["store"] = f"{address}:{store.port}"
+            handle["store"] = f"{url_host(host)}:{store.port}"
             return json.dumps(handle)
 
     return NodeBoundGloo(timeout=timeout)

@@ -15,10 +15,12 @@ import importlib.util
 import logging
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 import ray
 
+from elastic.addresses import url_host
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
 from elastic.in_place.fence import fence
@@ -67,6 +69,16 @@ def lighthouse_server_class() -> Any:
     return module.LighthouseServer
 
 
+def reachable_url(advertised: str, host: str) -> str:
+    """The lighthouse's URL with ``host``, the address it is bound to, for the replicas.
+    torchft advertises ``http://<host name>:<port>``, a name other nodes may not resolve, or
+    resolve to loopback (a Kubernetes pod's name, Debian's 127.0.1.1)."""
+    port = urllib.parse.urlsplit(advertised).port
+    if port is None:
+        raise ValueError(f"the lighthouse advertised no port: {advertised!r}")
+    return f"http://{url_host(host)}:{port}"
+
+
 class InPlaceRunner:
     def __init__(self, plan: dict[str, Any], config_for: Any) -> None:
         self.plan = plan
@@ -88,10 +100,12 @@ class InPlaceRunner:
         if actor is not None:
             await asyncio.to_thread(fence, actor)
 
-    def _lighthouse(self) -> Any:
+    def _lighthouse(self) -> tuple[Any, str]:
+        """The attempt's lighthouse, bound to this node's Ray address, and its URL for the
+        replicas."""
         host = ray.util.get_node_ip_address()
-        return lighthouse_server_class()(
-            bind=f"{host}:0",
+        server = lighthouse_server_class()(
+            bind=f"{url_host(host)}:0",
             min_replicas=1,
             join_timeout_ms=JOIN_TIMEOUT_MS,
             heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
@@ -99,6 +113,7 @@ class InPlaceRunner:
             # lighthouse forgets it: torchft's default tick (100 ms) would add to the pause.
             quorum_tick_ms=QUORUM_TICK_MS,
         )
+        return server, reachable_url(server.address(), host)
 
     def _place(self, index: int, config: dict[str, Any], lighthouse: str, joiner: bool) -> Any:
         resources = dict(self.plan["resources_per_worker"])
@@ -118,9 +133,8 @@ class InPlaceRunner:
         self.trained = set()
         self.starting = spec.world_size
         self.limit = int(self.plan["max_workers"] if spec.replicas is None else spec.replicas)
-        lighthouse = self._lighthouse()
+        lighthouse, address = self._lighthouse()
         config = self.config_for(spec)
-        address = lighthouse.address()
         runs: dict[asyncio.Future[Any], int] = {}
         next_index = 0
         for _ in range(max(self.limit, spec.world_size)):

@@ -1,0 +1,352 @@
+"""A Ray cluster whose nodes are hosts, for the tests of what real clusters do to a job.
+
+Every other test runs Ray on loopback: one host name, one address, one network stack for all
+nodes. Here each worker node is a host of its own, as a Kubernetes pod or a machine is:
+
+- its own Linux network namespace, with an address of its own on a bridge (``10.78.N.0/24``,
+  made by the test, with no route anywhere else), and loopback;
+- its own UTS namespace: a host name the other nodes cannot resolve (as a pod's name in
+  cluster DNS), and that resolves to 127.0.1.1 on the node itself (as Debian's hosts file
+  has it);
+- its own Ray temporary directory (sessions, sockets, logs), as on a separate machine.
+
+The head (GCS and a raylet with no CPU, where the service places supervisors) runs in the
+root network namespace on the bridge's address, with a host name of its own that resolves
+to 127.0.1.1 there and to nothing on the nodes. The service (``etrain serve``) is a separate
+process in the root namespace, connected to the head, as an operator would run it.
+
+Faults are injected per node: ``kill`` (SIGKILL of every process in the node's namespace).
+Processes are found by namespace, never by name: other Ray clusters on the machine (the
+suite's pool, CI's) are never touched. Needs root, ``ip`` (iproute2) and ``unshare``;
+:func:`unavailable` says why a machine cannot, and the tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import TOKEN, free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+ETRAIN = str(Path(sys.executable).with_name("etrain"))
+
+
+def as_host(name: str, hosts_file: Path, own: tuple[Path, str] | None = None) -> list[str]:
+    """The command prefix that runs a command as a host of its own: host name ``name``,
+    ``hosts_file`` as its /etc/hosts and, with ``own``, a directory of its own mounted over
+    a shared path (bind mounts in a private mount namespace)."""
+    script = 'hostname "$1" && mount --bind "$2" /etc/hosts && '
+    if own is not None:
+        script += 'mount --bind "$3" "$4" && '
+    script += f'shift {4 if own is not None else 2} && exec "$@"'
+    binds = [str(own[0]), own[1]] if own is not None else []
+    return [
+        *("unshare", "--uts", "--mount", "--propagation", "private"),
+        *("sh", "-c", script, "sh", name, str(hosts_file), *binds),
+    ]
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot make hosts (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs {tool}"
+    name = f"etprobe{os.getpid() % 100000}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True)
+    if probe.returncode != 0:
+        return f"network namespaces are not permitted: {probe.stderr.decode().strip()}"
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    return None
+
+
+def pids_in(netns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@dataclass
+class Host:
+    """One worker node: a Ray node in namespaces of its own."""
+
+    index: int
+    netns: str
+    address: str
+    hostname: str
+    proc: subprocess.Popen[bytes] | None = None
+    node_id: str | None = None
+
+    def kill(self) -> float:
+        """Every process of the node SIGKILLed at once (a machine lost); returns the time of
+        the kill (``time.time()``)."""
+        at = time.time()
+        for pid in pids_in(self.netns):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return at
+
+    @property
+    def alive(self) -> bool:
+        return bool(pids_in(self.netns))
+
+
+@dataclass
+class HostCluster:
+    """A head on a bridge, and worker nodes that are hosts; see the module docstring."""
+
+    work: Path
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
+    subnet: int = field(default_factory=lambda: 100 + os.getpid() % 100)
+    hosts: list[Host] = field(default_factory=list)
+    head_proc: subprocess.Popen[bytes] | None = None
+    head_hostname: str = "etrain-head"
+    port: int = 0
+    temp: str = ""
+
+    @property
+    def bridge(self) -> str:
+        return f"etb{self.tag}"
+
+    @property
+    def head_address(self) -> str:
+        return f"10.78.{self.subnet}.1"
+
+    @property
+    def address(self) -> str:
+        """The GCS address, as ``ETRAIN_RAY_ADDRESS`` takes it."""
+        return f"{self.head_address}:{self.port}"
+
+    # -- the network --------------------------------------------------------------------
+
+    def _hosts_file(self, name: str, own: str) -> Path:
+        """A hosts file in which ``own`` (this host's name) is Debian's 127.0.1.1, and no
+        other host's name is listed."""
+        path = self.work / f"hosts-{name}"
+        path.write_text(f"127.0.0.1 localhost\n127.0.1.1 {own}\n")
+        return path
+
+    def start(self, nodes: int) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.head_address}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+        self._start_head()
+        for _ in range(nodes):
+            self.add_node()
+
+    def _start_head(self) -> None:
+        # Ray's socket paths must stay short: a fresh directory right under /tmp.
+        self.temp = tempfile.mkdtemp(prefix="ethost-", dir="/tmp")
+        self.port = free_port()
+        command = [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.port}",
+            f"--node-ip-address={self.head_address}",
+            "--num-cpus=0",
+            "--include-dashboard=false",
+            f"--temp-dir={self.temp}",
+            f"--system-config={_fast_failure_detection()}",
+        ]
+        hosts = self._hosts_file("head", self.head_hostname)
+        log = (self.work / "head.log").open("wb")
+        self.head_proc = subprocess.Popen(
+            [*as_host(self.head_hostname, hosts), *command],
+            env=node_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        probe = [sys.executable, "-c", f"import ray; ray.init(address='{self.address}')"]
+        wait_for(
+            lambda: (
+                self._head_alive()
+                and subprocess.run(probe, env=node_env(), capture_output=True).returncode == 0
+            ),
+            timeout=120,
+            interval=1,
+            what=f"the Ray head at {self.address} to accept a driver",
+        )
+
+    def _head_alive(self) -> bool:
+        assert self.head_proc is not None
+        if self.head_proc.poll() is not None:
+            raise AssertionError((self.work / "head.log").read_text()[-3000:])
+        return True
+
+    def add_node(self, num_cpus: int = 1) -> Host:
+        """A worker node in namespaces of its own, joined to the head."""
+        index = len(self.hosts) + 1
+        netns = f"et{self.tag}n{index}"
+        veth = f"et{self.tag}v{index}"
+        host = Host(index, netns, f"10.78.{self.subnet}.{10 + index}", f"etrain-node-{index}")
+        _run("ip", "netns", "add", netns)
+        self.hosts.append(host)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        _run("ip", "link", "set", veth, "master", self.bridge, "up")
+        _run("ip", "-n", netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _run("ip", "-n", netns, "link", "set", "eth0", "up")
+        _run("ip", "-n", netns, "link", "set", "lo", "up")
+        own_dir = self.work / f"ray-{host.hostname}"
+        own_dir.mkdir()
+        hosts = self._hosts_file(host.hostname, host.hostname)
+        command = [
+            RAY,
+            "start",
+            "--block",
+            f"--address={self.address}",
+            f"--node-ip-address={host.address}",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--object-store-memory={150 * 1024 * 1024}",
+        ]
+        before = set(self.node_ids())
+        log = (self.work / f"{host.hostname}.log").open("wb")
+        host.proc = subprocess.Popen(
+            # Ray's directory of its own over the head's: nodes take its path from the head.
+            [
+                *("ip", "netns", "exec", netns),
+                *as_host(host.hostname, hosts, (own_dir, self.temp)),
+                *command,
+            ],
+            env=node_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def joined() -> bool:
+            if host.proc is not None and host.proc.poll() is not None:
+                raise AssertionError((self.work / f"{host.hostname}.log").read_text()[-3000:])
+            new = set(self.node_ids()) - before
+            if new:
+                (host.node_id,) = new
+            return bool(new)
+
+        wait_for(joined, timeout=120, interval=1, what=f"{host.hostname} to join the head")
+        return host
+
+    def node_ids(self) -> list[str]:
+        """The alive nodes other than the head, as the GCS lists them."""
+        code = (
+            "import json, ray\n"
+            f"ray.init(address='{self.address}', log_to_driver=False)\n"
+            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']"
+            f" and n['NodeManagerAddress'] != '{self.head_address}']))\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=node_env(), capture_output=True, text=True
+        )
+        if out.returncode != 0:
+            return []
+        import json
+
+        return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+    def close(self) -> None:
+        for host in self.hosts:
+            host.kill()
+        if self.head_proc is not None and self.head_proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.head_proc.pid, signal.SIGTERM)
+            try:
+                self.head_proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.head_proc.pid, signal.SIGKILL)
+                self.head_proc.wait()
+        for host in self.hosts:
+            if host.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    host.proc.wait(timeout=10)
+            subprocess.run(["ip", "netns", "delete", host.netns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
+        if self.temp:
+            shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _fast_failure_detection() -> str:
+    import json
+
+    from jobs.launcher import FAST_FAILURE_DETECTION
+
+    return json.dumps(FAST_FAILURE_DETECTION)
+
+
+def node_env() -> dict[str, str]:
+    """This process's environment without the test session's Ray or service settings (and
+    without the loopback-only switch the suite's own cluster needs)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
+    return env | {"PYTHONPATH": str(ROOT)}
+
+
+@dataclass
+class Service:
+    """``etrain serve`` on loopback, connected to a :class:`HostCluster`."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+        )
+
+
+@contextlib.contextmanager
+def service(cluster: HostCluster, work: Path) -> Iterator[Service]:
+    port = free_port()
+    env = node_env() | {
+        "ETRAIN_PORT": str(port),
+        "ETRAIN_DATA_DIR": str(work / "service"),
+        "ETRAIN_CHECKPOINT_DIR": str(work / "checkpoints"),
+        "ETRAIN_API_TOKEN": TOKEN,
+        "ETRAIN_RAY_ADDRESS": cluster.address,
+        "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+    }
+    log = work / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [ETRAIN, "serve"], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+        )
+    live = Service(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        api = live.client()
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                return api.get("/readyz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
+        yield live
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
