@@ -430,12 +430,15 @@ def wait_until_ended(
     )
 
 
-def all_events(client: httpx.Client, job_id: str) -> list[dict[str, Any]]:
-    """Every event of a job, page after page."""
+def all_events(client: httpx.Client, job_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+    """Every event of a job (of ``kind`` only, when given), page after page."""
     events: list[dict[str, Any]] = []
     after = 0
+    only = {"kind": kind} if kind else {}
     while True:
-        page = client.get(f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000})
+        page = client.get(
+            f"/v1/jobs/{job_id}/events", params={"after": after, "limit": 1000, **only}
+        )
         events += page.json()["items"]
         if page.json()["next_after"] == after:
             return events

@@ -247,6 +247,21 @@ class HostCluster:
         wait_for(joined, timeout=120, interval=1, what=f"{host.hostname} to join the head")
         return host
 
+    def alive(self) -> list[Host]:
+        return [h for h in self.hosts if h.alive]
+
+    def restore(self, nodes: int) -> None:
+        """Hosts added until ``nodes`` are alive, and Ray lists exactly those (a killed
+        host's node is dropped by the GCS a few seconds after its death)."""
+        while len(self.alive()) < nodes:
+            self.add_node()
+        wait_for(
+            lambda: len(self.node_ids()) == nodes,
+            timeout=60,
+            interval=1,
+            what=f"Ray to list {nodes} nodes besides the head",
+        )
+
     def node_ids(self) -> list[str]:
         """The alive nodes other than the head, as the GCS lists them."""
         code = (

@@ -23,6 +23,7 @@ from tests.conftest import (
     TERMINAL,
     ClusterPool,
     LiveServer,
+    all_events,
     make_settings,
     state_address,
     wait_for,
@@ -89,8 +90,9 @@ def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
 
 
 def events(api: httpx.Client, job_id: str, kind: str | None = None) -> list[dict[str, Any]]:
-    items = api.get(f"/v1/jobs/{job_id}/events", params={"limit": 5000}).json()["items"]
-    return [e for e in items if kind is None or e["kind"] == kind]
+    """Every event of the job (of ``kind`` only), however many: a job's log lines are
+    events too, and a first page alone could end before the late events a test looks for."""
+    return all_events(api, job_id, kind)
 
 
 def state_changes(api: httpx.Client, job_id: str) -> list[tuple[str, str | None]]:

@@ -9,14 +9,16 @@ host name (loopback, for a name that resolves to none or to 127.0.1.1)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from pathlib import Path
+from datetime import datetime
+from itertools import pairwise
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import all_events, small_job, wait_for, wait_until_ended
+from tests.conftest import MachineShare, all_events, small_job, wait_for, wait_until_ended
 from tests.hosts import HostCluster, service, unavailable
 
 NODES = 3
@@ -86,26 +88,61 @@ def test_a_job_trains_across_hosts_whose_names_do_not_resolve(
     assert started["world_size"] == NODES, started
 
 
-def test_an_in_place_job_survives_the_loss_of_a_host(
-    api: httpx.Client, hosts: HostCluster, tmp_path: Path
+# From the kill to the next step, on the machine alone (the other xdist worker's tests wait).
+# The goals are 0.5 s in place and 2 s in restart mode; the bounds leave room for a loaded
+# 2-core machine (docs/benchmarks.md has the measured figures).
+PAUSE_BOUND_S = {"in_place": 1.0, "restart": 4.0}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "restart"])
+def test_a_job_survives_the_loss_of_a_host(
+    api: httpx.Client, hosts: HostCluster, machine_share: MachineShare, mode: str
 ) -> None:
-    """A host's every process SIGKILLed mid-job: the survivors on the other hosts train on
-    without a restart, and the job ends with every step once."""
-    job = api.post("/v1/jobs", json=job_on_every_host(400)).json()
+    """A host's every process SIGKILLed mid-job. In place, the survivors on the other
+    hosts train on in the same attempt; in restart mode, the surviving warm workers resume
+    from the latest checkpoint. The job ends with every step counted once."""
+    hosts.restore(NODES)
+    steps = 300
+    spec = job_on_every_host(steps, fault_tolerance=mode)
+    job = api.post("/v1/jobs", json=spec).json()
     wait_for(
         lambda: api.get(f"/v1/jobs/{job['id']}").json()["step"] >= 40,
         timeout=240,
         what="the job to train a while on every host",
     )
-    victim = hosts.hosts[-1]
-    victim.kill()
+    with machine_share.alone():
+        killed_at = hosts.alive()[-1].kill()
+        wait_for(
+            lambda: any(e["kind"] == "worker_lost" for e in all_events(api, job["id"])),
+            timeout=60,
+            what="the loss to be noticed",
+        )
+        time.sleep(2)
     done = wait_until_ended(api, job["id"], 400)
     events = all_events(api, job["id"])
-    assert (done["state"], done["step"]) == ("succeeded", 400), [
-        e["data"] for e in events if e["kind"] == "state"
+    states = [e["data"] for e in events if e["kind"] == "state"]
+    assert (done["state"], done["step"]) == ("succeeded", steps), states
+    # In place the attempt goes on at 2; restart mode starts a second attempt at 2.
+    sizes = [e["data"]["world_size"] for e in events if e["kind"] == "attempt_started"]
+    assert sizes == ([NODES] if mode == "in_place" else [NODES, NODES - 1]), sizes
+    (lost,) = [e["data"] for e in events if e["kind"] == "worker_lost"]
+    assert lost["from_world"] == NODES, lost
+    # Every step reported, in order; a step the loss interrupted is reported again once
+    # it is trained (in restart mode, the steps since the checkpoint).
+    reported = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
+    assert sorted(set(reported)) == list(range(1, steps + 1)), reported
+    times = [
+        datetime.fromisoformat(e["time"]).timestamp() for e in events if e["kind"] == "metrics"
     ]
-    kinds = [e["kind"] for e in events]
-    assert kinds.count("attempt_started") == 1, kinds
-    assert kinds.count("worker_lost") == 1, kinds
-    steps = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
-    assert steps == list(range(1, 401)), steps
+    assert pause_after(killed_at, sorted(times)) <= PAUSE_BOUND_S[mode], lost
+
+
+def pause_after(at: float, times: list[float], window_s: float = 30.0) -> float:
+    """The longest time without a step within ``window_s`` of ``at``, counted from ``at``
+    for the stretch that spans it."""
+    gaps = [
+        later - max(earlier, at)
+        for earlier, later in pairwise(times)
+        if later > at and earlier < at + window_s
+    ]
+    return max(gaps)
