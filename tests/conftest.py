@@ -50,6 +50,7 @@ POOL_GROUP = "ray-pool"
 # Modules that start a Ray head or a service of their own: first on the other worker, so
 # that they are done before the pool's worker reaches its ``alone`` tests (kept last).
 STARTS_ITS_OWN = (
+    "test_hosts",
     "test_restarts",
     "test_installed_service",
     "test_gcs_ft",

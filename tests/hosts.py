@@ -286,7 +286,7 @@ class HostCluster:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.head_proc.pid, signal.SIGTERM)
             try:
-                self.head_proc.wait(timeout=20)
+                self.head_proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.head_proc.pid, signal.SIGKILL)
                 self.head_proc.wait()
