@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import functools
+import itertools
 import os
 import shutil
 import socket
@@ -31,6 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -184,13 +186,22 @@ class ClusterPool:
     def kill_nodes_at_once(self, nodes: list[Any]) -> None:
         """Nodes that fail at the same instant: their raylets are SIGKILLed together (each
         node's workers end with their raylet), then the rest of each node's processes."""
+        self.kill_nodes_apart(nodes, 0.0)
+
+    def kill_nodes_apart(self, nodes: list[Any], apart_s: float) -> float:
+        """Nodes that fail ``apart_s`` after one another (one rack, one spot pool): their
+        raylets are SIGKILLed at those moments (each node's workers end with their raylet),
+        then the rest of each node's processes. Returns the first kill's ``time.time()``."""
         from ray._private import ray_constants
 
-        for node in nodes:
+        first = time.time()
+        for n, node in enumerate(nodes):
+            time.sleep(max(0.0, first + n * apart_s - time.time()))
             for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
                 info.process.kill()
         for node in nodes:
             self.kill_node(node)
+        return first
 
     def restore_pool(self) -> None:
         while len(self.pool) < POOL_SIZE:
@@ -444,6 +455,19 @@ def all_events(client: httpx.Client, job_id: str, kind: str | None = None) -> li
         if page.json()["next_after"] == after:
             return events
         after = page.json()["next_after"]
+
+
+def longest_pause_after(at: float, events: list[dict[str, Any]], window_s: float = 30.0) -> float:
+    """The longest time the job went without a step within ``window_s`` after ``at`` (a
+    failure's time), the stretch that spans ``at`` counted from ``at``; ``events`` holds
+    its ``metrics`` events (as the API gives them)."""
+    times = sorted(datetime.fromisoformat(e["time"]).timestamp() for e in events)
+    gaps = [
+        later - max(earlier, at)
+        for earlier, later in itertools.pairwise(times)
+        if later > at and earlier < at + window_s
+    ]
+    return max(gaps)
 
 
 def small_job(**hyper: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ suite's pool, CI's) are never touched. Needs root, ``ip`` (iproute2) and ``unsha
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -39,10 +40,9 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import TOKEN, free_port, wait_for
+from tests.ray_head import served
 
-ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
-ETRAIN = str(Path(sys.executable).with_name("etrain"))
 
 
 def as_host(name: str, hosts_file: Path, own: tuple[Path, str] | None = None) -> list[str]:
@@ -275,8 +275,6 @@ class HostCluster:
         )
         if out.returncode != 0:
             return []
-        import json
-
         return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
     def close(self) -> None:
@@ -301,8 +299,6 @@ class HostCluster:
 
 
 def _fast_failure_detection() -> str:
-    import json
-
     from jobs.launcher import FAST_FAILURE_DETECTION
 
     return json.dumps(FAST_FAILURE_DETECTION)
@@ -312,56 +308,19 @@ def node_env() -> dict[str, str]:
     """This process's environment without the test session's Ray or service settings (and
     without the loopback-only switch the suite's own cluster needs)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
-    return env | {"PYTHONPATH": str(ROOT)}
-
-
-@dataclass
-class Service:
-    """``etrain serve`` on loopback, connected to a :class:`HostCluster`."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
-        )
+    return env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
 
 @contextlib.contextmanager
-def service(cluster: HostCluster, work: Path) -> Iterator[Service]:
-    port = free_port()
+def service(cluster: HostCluster, work: Path) -> Iterator[httpx.Client]:
+    """``etrain serve`` on loopback, connected to ``cluster``; yields a client of its API."""
     env = node_env() | {
-        "ETRAIN_PORT": str(port),
+        "ETRAIN_PORT": str(free_port()),
         "ETRAIN_DATA_DIR": str(work / "service"),
         "ETRAIN_CHECKPOINT_DIR": str(work / "checkpoints"),
         "ETRAIN_API_TOKEN": TOKEN,
         "ETRAIN_RAY_ADDRESS": cluster.address,
         "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
     }
-    log = work / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [ETRAIN, "serve"], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
-        )
-    live = Service(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        api = live.client()
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                return api.get("/readyz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
-        yield live
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with served(env, work / "serve.log") as api:
+        yield api

@@ -14,7 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 from tests.conftest import TOKEN, free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def clean_env() -> dict[str, str]:
@@ -92,3 +96,41 @@ def blocking_head(
                 break
             time.sleep(2)
         head.wait(timeout=30)
+
+
+@contextmanager
+def served(env: dict[str, str], log: Path) -> Iterator[httpx.Client]:
+    """``etrain serve`` with ``env`` (its port in ``ETRAIN_PORT``), its output in ``log``;
+    yields a client of its API once it is ready, and stops it (SIGTERM) at the end."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("etrain")), "serve"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    api = httpx.Client(
+        base_url=f"http://127.0.0.1:{env['ETRAIN_PORT']}",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                return api.get("/readyz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
+        yield api
+    finally:
+        api.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

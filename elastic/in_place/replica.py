@@ -25,6 +25,14 @@ from elastic.worker_config import WorkerConfig
 # one or two beats late on a saturated node are not a loss (tested under load).
 HEARTBEAT_TIMEOUT_MS = 300
 HEARTBEAT_INTERVAL = timedelta(milliseconds=50)
+# How long a quorum's members wait for each other while they form its process group (its
+# Gloo rendezvous), instead of the collective timeout. A member that died after the
+# lighthouse put it in the quorum never comes: the others give the quorum up after this,
+# the step is redone, and the next quorum is without it. Two nodes lost a moment apart
+# held the survivors for the whole collective timeout (30 s, 64 s seen) before this.
+# Members ask for the quorum together and hear it at the same lighthouse tick, so a live
+# one is late by its scheduling delay only, well under this on a saturated 2-core machine.
+RENDEZVOUS_TIMEOUT = timedelta(seconds=1.5)
 
 
 def make_manager(
@@ -47,7 +55,7 @@ def make_manager(
     timeout = timedelta(seconds=timeout_s)
     # The replica group's own store (a group of one): loopback only.
     store, listener = bound_store("127.0.0.1", 1, timeout_s)
-    pg = _node_bound_gloo(host, timeout)
+    pg = node_bound_gloo(host, timeout)
     with _manager_server_bound_to(host):
         manager = Manager(
             pg=pg,
@@ -76,7 +84,24 @@ def make_manager(
         )
     manager._elastic_store = (store, listener)  # kept alive with the manager
     manager._client = QuorumMembers(manager._client)
+    _forget_failed_quorums(manager)
     return manager
+
+
+def _forget_failed_quorums(manager: Any) -> None:
+    """torchft records a quorum as configured before it forms the quorum's process group,
+    and reconfigures only for a new quorum id: after a failed rendezvous, a next quorum of
+    the same members would train on no process group. The failed one is forgotten."""
+    reconfigure = manager._reconfigure_pg
+
+    def reconfigure_or_forget(communicator_id: int, handles: list[str]) -> None:
+        try:
+            reconfigure(communicator_id, handles)
+        except BaseException:
+            manager._quorum_id = -1
+            raise
+
+    manager._reconfigure_pg = reconfigure_or_forget
 
 
 # Every socket a replica listens on is bound to its node's Ray address (loopback for the
@@ -105,7 +130,8 @@ def _manager_server_bound_to(host: str) -> Iterator[None]:
         torchft_manager.ManagerServer = server
 
 
-def _node_bound_gloo(host: str, timeout: timedelta) -> Any:
+def node_bound_gloo(host: str, timeout: timedelta) -> Any:
+    import torch
     from torchft.process_group import ProcessGroupGloo
 
     from elastic.addresses import url_host
@@ -120,6 +146,28 @@ def _node_bound_gloo(host: str, timeout: timedelta) -> Any:
             handle = json.loads(super().get_reconfigure_handle())
             handle["store"] = f"{url_host(host)}:{store.port}"
             return json.dumps(handle)
+
+        def reconfigure(self, opts: Any) -> Any:
+            """The quorum's group formed within RENDEZVOUS_TIMEOUT; its collectives keep
+            the collective timeout."""
+            self._timeout = RENDEZVOUS_TIMEOUT
+            try:
+                work = super().reconfigure(opts)
+            except BaseException:
+                # A retry of the same members must not read this try's keys: every member
+                # failed with it, and each one's next handle names a fresh store.
+                self._drop_rendezvous_store()
+                raise
+            finally:
+                self._timeout = timeout
+            self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+            return work
+
+        def _drop_rendezvous_store(self) -> None:
+            listener = getattr(self, "_rendezvous_listener", None)
+            self._rendezvous_store = None
+            if listener is not None:
+                listener.close()
 
     return NodeBoundGloo(timeout=timeout)
 

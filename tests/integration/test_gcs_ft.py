@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -23,11 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import TOKEN, all_events, free_port, small_job, wait_for
-from tests.ray_head import clean_env, head_command, serve_env
+from tests.conftest import all_events, free_port, small_job, wait_for
+from tests.ray_head import clean_env, head_command, serve_env, served
 
 REDIS = ("127.0.0.1", 6379)
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,34 +162,9 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-def _serve(tmp: Path, address: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
-    env = serve_env(tmp, address, port)
-    log = tmp / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("etrain")), "serve"],
-            env=env,
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    return proc, f"http://127.0.0.1:{port}", log
-
-
 def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: Path) -> None:
-    proc, url, log = _serve(tmp_path, redis_head.address)
-    try:
-        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-
-        def ready() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                return api.get("/readyz").status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
+    env = serve_env(tmp_path, redis_head.address, free_port())
+    with served(env, tmp_path / "serve.log") as api:
         job_id = api.post("/v1/jobs", json=small_job(max_steps=200)).json()["id"]
         wait_for(
             lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["step"] >= 20 and j,
@@ -235,10 +208,3 @@ def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: P
         assert not {"restored", "supervisor_recreated", "resized"} & set(kinds), kinds
         steps = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
         assert steps == list(range(1, 201)), steps
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import ClusterPool, wait_for, wait_until_ended
+from tests.conftest import ClusterPool, longest_pause_after, wait_for, wait_until_ended
 from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     BATCH,
     DATASET,
@@ -202,9 +202,7 @@ def test_two_nodes_killed_at_once_leave_one_replica_training_and_both_rejoin(
     tmp_path: Path,
 ) -> None:
     """Two nodes fail at the same instant: the last replica trains on alone, from the same
-    step, and the two nodes added back join it. (Not covered, README "Known limits": a
-    replica that dies after it joined the survivors' next quorum, before that quorum's
-    process group is up, holds them for the collective timeout.)"""
+    step, and the two nodes added back join it. (Nodes lost a moment apart: the next test.)"""
     root = tmp_path / "checkpoints"
     job = start_at_three_replicas(api, root)
     pool.kill_nodes_at_once([pool.pool[0], pool.pool[1]])
@@ -225,6 +223,39 @@ def test_two_nodes_killed_at_once_leave_one_replica_training_and_both_rejoin(
     assert joined and joined[-1]["to_world"] == 3, joined
     assert all(j["steps_redone"] == 0 for j in joined), joined
     assert all(j["pause_seconds"] < JOIN_PAUSE_BOUND_S for j in joined), joined
+    assert_exact(api, job["id"], root)
+
+
+# Two nodes lost 0.3 s apart: the lighthouse drops the first after its 0.3 s heartbeat
+# timeout, so the survivors' next quorum can hold the second replica, which dies while that
+# quorum's process group forms. Its rendezvous gives the dead member up after
+# elastic.in_place.replica.RENDEZVOUS_TIMEOUT (1.5 s); the goal is 2 s from the first kill,
+# and the bound leaves room for the loaded 2-core machine (64 s was seen before).
+CORRELATED_PAUSE_BOUND_S = 3.0
+
+
+def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
+    api: httpx.Client,  # noqa: F811
+    pool: ClusterPool,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Two nodes of one rack fail 0.3 s apart: the last replica trains on within the bound,
+    in the same attempt, and ends on the uninterrupted run's model. Whether the second
+    replica is inside the survivor's next quorum when it dies depends on tens of
+    milliseconds: tests/unit/test_in_place_rendezvous.py proves that case every time."""
+    root = tmp_path / "checkpoints"
+    job = start_at_three_replicas(api, root)
+    first_killed = pool.kill_nodes_apart([pool.pool[0], pool.pool[1]], 0.3)
+    at_one = wait_until(api, job["id"], lambda j: j["world_size"] == 1, 60, "1 replica")
+    wait_until(api, job["id"], lambda j: j["step"] >= at_one["step"] + 10, 60, "training alone")
+    pause = longest_pause_after(first_killed, events(api, job["id"], "metrics"))
+    print(f"in place, two nodes lost 0.3 s apart: {pause:.2f} s from the first kill")
+    assert pause <= CORRELATED_PAUSE_BOUND_S, pause
+    pool.add_node()
+    pool.add_node()
+    wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "both nodes back")
+    losses = succeeded_without_restart(api, job["id"])
+    assert losses and losses[0]["from_world"] == 3 and losses[-1]["to_world"] == 1, losses
     assert_exact(api, job["id"], root)
 
 
