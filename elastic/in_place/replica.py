@@ -25,13 +25,14 @@ from elastic.worker_config import WorkerConfig
 # one or two beats late on a saturated node are not a loss (tested under load).
 HEARTBEAT_TIMEOUT_MS = 300
 HEARTBEAT_INTERVAL = timedelta(milliseconds=50)
-# How long a quorum's members wait for each other while they form its process group (its
-# Gloo rendezvous), instead of the collective timeout. A member that died after the
-# lighthouse put it in the quorum never comes: the others give the quorum up after this,
-# the step is redone, and the next quorum is without it. Two nodes lost a moment apart
-# held the survivors for the whole collective timeout (30 s, 64 s seen) before this.
-# Members ask for the quorum together and hear it at the same lighthouse tick, so a live
-# one is late by its scheduling delay only, well under this on a saturated 2-core machine.
+# How long the members of a quorum smaller than the last one wait for each other while they
+# form its process group (its Gloo rendezvous), instead of the collective timeout. After a
+# loss, a member that died after the lighthouse put it in the next quorum (two nodes lost
+# a moment apart) never comes: the others give that quorum up after this, the step is
+# redone, and the next quorum is without it (before, they waited the collective timeout:
+# 30 s, 64 s seen). The members of such a quorum are replicas that were training a moment
+# before, late by their scheduling delay only. A quorum that grows keeps the collective
+# timeout: a joiner that has just started can be seconds late on a busy machine.
 RENDEZVOUS_TIMEOUT = timedelta(seconds=1.5)
 
 
@@ -148,9 +149,11 @@ def node_bound_gloo(host: str, timeout: timedelta) -> Any:
             return json.dumps(handle)
 
         def reconfigure(self, opts: Any) -> Any:
-            """The quorum's group formed within RENDEZVOUS_TIMEOUT; its collectives keep
-            the collective timeout."""
-            self._timeout = RENDEZVOUS_TIMEOUT
+            """The quorum's group, formed within RENDEZVOUS_TIMEOUT when the quorum shrank;
+            its collectives keep the collective timeout."""
+            size = len(opts.handles)
+            if size < getattr(self, "_formed_size", 0):
+                self._timeout = RENDEZVOUS_TIMEOUT
             try:
                 work = super().reconfigure(opts)
             except BaseException:
@@ -161,6 +164,7 @@ def node_bound_gloo(host: str, timeout: timedelta) -> Any:
             finally:
                 self._timeout = timeout
             self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+            self._formed_size = size
             return work
 
         def _drop_rendezvous_store(self) -> None:

@@ -255,7 +255,9 @@ def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
     pool.add_node()
     wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "both nodes back")
     losses = succeeded_without_restart(api, job["id"])
-    assert losses and losses[0]["from_world"] == 3 and losses[-1]["to_world"] == 1, losses
+    # Seen as one quorum change or as two: 3 -> 1 either way.
+    changes = [(x["from_world"], x["to_world"]) for x in losses]
+    assert changes[:1] == [(3, 1)] or changes[:2] == [(3, 2), (2, 1)], losses
     assert_exact(api, job["id"], root)
 
 

@@ -1,6 +1,7 @@
-"""A quorum's process group (torchft's Gloo, as a replica forms it) gives up a member that
-never comes after the rendezvous timeout, not the collective timeout, and its collectives
-still wait the collective timeout. Real process groups on loopback, one thread per member."""
+"""A quorum smaller than the last one (after a loss) forms its process group (torchft's Gloo,
+as a replica forms it) or gives up a member that never comes within the rendezvous timeout,
+not the collective timeout, and its collectives still wait the collective timeout; a quorum
+that grows waits for a late joiner. Real process groups on loopback, a thread per member."""
 
 from __future__ import annotations
 
@@ -43,12 +44,19 @@ def gloo_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
 
 
-def test_a_member_that_never_comes_is_given_up_after_the_rendezvous_timeout() -> None:
-    a, b, dead = (node_bound_gloo("127.0.0.1", COLLECTIVE) for _ in range(3))
-    # ``dead`` was put in the quorum by the lighthouse, then died: it never reconfigures.
-    handles = [g.get_reconfigure_handle() for g in (a, b, dead)]
+def formed(groups: list[Any], uuid: int) -> list[Any]:
+    """The groups' quorum formed (each group with a fresh handle)."""
+    return reconfigure_all(groups, uuid, [g.get_reconfigure_handle() for g in groups])
+
+
+def test_after_a_loss_a_member_that_never_comes_is_given_up_after_the_rendezvous_timeout() -> None:
+    a, b, dying, lost = (node_bound_gloo("127.0.0.1", COLLECTIVE) for _ in range(4))
+    assert formed([a, b, dying, lost], 1) == [None] * 4  # training at 4
+    # ``lost`` is gone; ``dying`` was put in the next quorum by the lighthouse, then died:
+    # it never forms the group.
+    handles = [g.get_reconfigure_handle() for g in (a, b, dying)]
     began = time.monotonic()
-    errors = reconfigure_all([a, b], 1, handles)
+    errors = reconfigure_all([a, b], 2, handles)
     took = time.monotonic() - began
     assert all(isinstance(e, Exception) for e in errors), errors
     timeout = RENDEZVOUS_TIMEOUT.total_seconds()
@@ -56,10 +64,7 @@ def test_a_member_that_never_comes_is_given_up_after_the_rendezvous_timeout() ->
 
     # The next quorum, without it: the same two form a group (each with a fresh store, so
     # none reads the failed try's keys) whose collectives wait the collective timeout.
-    assert reconfigure_all([a, b], 2, [g.get_reconfigure_handle() for g in (a, b)]) == [
-        None,
-        None,
-    ]
+    assert formed([a, b], 3) == [None, None]
     results: dict[str, torch.Tensor] = {}
 
     def reduce(name: str, group: Any, value: float, late_s: float) -> None:
@@ -80,10 +85,25 @@ def test_a_member_that_never_comes_is_given_up_after_the_rendezvous_timeout() ->
     assert torch.equal(results["a"], expected) and torch.equal(results["b"], expected)
 
 
-def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
-    """One member late past the timeout fails the try for both; the retry of the same
-    quorum (same id) forms the group."""
+def test_a_quorum_that_grows_waits_for_a_late_joiner() -> None:
     a, b = node_bound_gloo("127.0.0.1", COLLECTIVE), node_bound_gloo("127.0.0.1", COLLECTIVE)
+    assert formed([a], 1) == [None]
+    joiner = node_bound_gloo("127.0.0.1", COLLECTIVE)
+    handles = [g.get_reconfigure_handle() for g in (a, b, joiner)]
+    late = threading.Timer(
+        RENDEZVOUS_TIMEOUT.total_seconds() + 1.0,
+        lambda: reconfigure_all([joiner], 2, handles),
+    )
+    late.start()
+    assert reconfigure_all([a, b], 2, handles) == [None, None]
+    late.join(30)
+
+
+def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
+    """After a loss, one member late past the timeout fails the try for all; the retry of
+    the same quorum (same id) forms the group."""
+    a, b, c = (node_bound_gloo("127.0.0.1", COLLECTIVE) for _ in range(3))
+    assert formed([a, b, c], 1) == [None, None, None]
     handles = [a.get_reconfigure_handle(), b.get_reconfigure_handle()]
     late = threading.Timer(
         RENDEZVOUS_TIMEOUT.total_seconds() + 0.5,
@@ -92,5 +112,4 @@ def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
     late.start()
     assert isinstance(reconfigure_all([a], 7, handles)[0], Exception)
     late.join(30)
-    handles = [a.get_reconfigure_handle(), b.get_reconfigure_handle()]
-    assert reconfigure_all([a, b], 7, handles) == [None, None]
+    assert formed([a, b], 7) == [None, None]
