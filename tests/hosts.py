@@ -306,9 +306,14 @@ def _fast_failure_detection() -> str:
 
 def node_env() -> dict[str, str]:
     """This process's environment without the test session's Ray or service settings (and
-    without the loopback-only switch the suite's own cluster needs)."""
+    without the loopback-only switch the suite's own cluster needs). Token authentication
+    off: `ray start` turns it on by itself when ~/.ray/auth_token exists, which another test
+    may leave behind."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
-    return env | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    return env | {
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "RAY_AUTH_MODE": "disabled",
+    }
 
 
 @contextlib.contextmanager

@@ -94,13 +94,12 @@ def test_a_job_trains_across_hosts_whose_names_do_not_resolve(
 
 
 # From the kill to the next step, on the machine alone (the other xdist worker's tests wait).
-# In place the goal is 0.5 s (measured here 0.4-0.5 s; the bound leaves room for a loaded
-# 2-core machine). Restart mode's goal is 2 s, and it is not met on hosts: 13 s measured
-# here (1.8 s with every node on loopback). Its survivors see the loss at once (a Gloo
-# reset), but the supervisor waits for Ray to declare the node dead (actor calls to a lost
-# node hang until then), and the next attempt starts fresh worker processes. The bound
-# only catches a hang until that is fixed.
-PAUSE_BOUND_S = {"in_place": 1.0, "restart": 30.0}
+# The goals are 0.5 s in place and 2 s in restart mode. Measured here on a quiet machine:
+# in place under 1 s; restart mode 2.4 s (the attempt ends once the lost worker's ping goes
+# unanswered for PING_S, 1.5 s: Ray does not know yet that the host is gone), and 13 s once
+# with the machine's load at 15, when a survivor's run did not end within SETTLE_S and was
+# replaced by a new process. The bounds leave room for a loaded 2-core machine.
+PAUSE_BOUND_S = {"in_place": 1.5, "restart": 8.0}
 
 
 @pytest.mark.parametrize("mode", ["in_place", "restart"])
