@@ -5,18 +5,16 @@ saying the token was refused. Everything on loopback; the head is this module's 
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import TOKEN, free_port, small_job, wait_for
-from tests.ray_head import blocking_head, clean_env, serve_env
+from tests.conftest import free_port, small_job, wait_for
+from tests.ray_head import blocking_head, clean_env, serve_env, served
 
 RAY_TOKEN = "elastic-train-test-ray-token-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,41 +46,22 @@ def _serve(tmp: Path, address: str, ray_token: str | None) -> tuple[subprocess.P
 
 
 def test_with_the_right_token_the_readme_job_succeeds(token_head: str, tmp_path: Path) -> None:
-    proc, url = _serve(tmp_path, token_head, RAY_TOKEN)
-    try:
-        with httpx.Client(
-            base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
-        ) as api:
-
-            def ready() -> bool:
-                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-                try:
-                    return api.get("/readyz").status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            wait_for(ready, timeout=120, interval=0.5, what="the service to be ready")
-            job = api.post("/v1/jobs", json=small_job()).json()
-            done = wait_for(
-                lambda: (
-                    (j := api.get(f"/v1/jobs/{job['id']}").json())["state"]
-                    in ("succeeded", "failed", "cancelled")
-                    and j
-                ),
-                timeout=240,
-                what="the job to end",
-            )
-            assert (done["state"], done["step"]) == ("succeeded", 50)
-            # It ran on the token head: one loopback node of 2 CPUs.
-            nodes = api.get("/v1/cluster").json()["nodes"]
-            assert [(n["address"], n["total"]["CPU"]) for n in nodes] == [("127.0.0.1", 2.0)]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    env = serve_env(tmp_path, token_head, free_port()) | {"ETRAIN_RAY_AUTH_TOKEN": RAY_TOKEN}
+    with served(env, tmp_path / "serve.log") as api:
+        job = api.post("/v1/jobs", json=small_job()).json()
+        done = wait_for(
+            lambda: (
+                (j := api.get(f"/v1/jobs/{job['id']}").json())["state"]
+                in ("succeeded", "failed", "cancelled")
+                and j
+            ),
+            timeout=240,
+            what="the job to end",
+        )
+        assert (done["state"], done["step"]) == ("succeeded", 50)
+        # It ran on the token head: one loopback node of 2 CPUs.
+        nodes = api.get("/v1/cluster").json()["nodes"]
+        assert [(n["address"], n["total"]["CPU"]) for n in nodes] == [("127.0.0.1", 2.0)]
 
 
 @pytest.mark.parametrize(
