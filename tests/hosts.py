@@ -43,6 +43,7 @@ from tests.conftest import TOKEN, free_port, wait_for
 from tests.ray_head import served
 
 RAY = str(Path(sys.executable).with_name("ray"))
+NODE_START_TRIES = 3
 
 
 def as_host(name: str, hosts_file: Path, own: tuple[Path, str] | None = None) -> list[str]:
@@ -208,8 +209,6 @@ class HostCluster:
         _run("ip", "-n", netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
         _run("ip", "-n", netns, "link", "set", "eth0", "up")
         _run("ip", "-n", netns, "link", "set", "lo", "up")
-        own_dir = self.work / f"ray-{host.hostname}"
-        own_dir.mkdir()
         hosts = self._hosts_file(host.hostname, host.hostname)
         command = [
             RAY,
@@ -222,30 +221,57 @@ class HostCluster:
             f"--object-store-memory={150 * 1024 * 1024}",
         ]
         before = set(self.node_ids())
-        log = (self.work / f"{host.hostname}.log").open("wb")
-        host.proc = subprocess.Popen(
-            # Ray's directory of its own over the head's: nodes take its path from the head.
-            [
-                *("ip", "netns", "exec", netns),
-                *as_host(host.hostname, hosts, (own_dir, self.temp)),
-                *command,
-            ],
-            env=node_env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        # Ray gives a node's raylet 30 s (fixed) to register with the GCS; on a busy 2-core
+        # machine (the rest of the suite beside) that was seen to run out: tried again.
+        for attempt in range(1, NODE_START_TRIES + 1):
+            own_dir = self.work / f"ray-{host.hostname}-{attempt}"
+            own_dir.mkdir()
+            log_path = self.work / f"{host.hostname}-{attempt}.log"
+            with log_path.open("wb") as log:
+                host.proc = subprocess.Popen(
+                    # Ray's directory of its own over the head's: nodes take its path from
+                    # the head.
+                    [
+                        *("ip", "netns", "exec", netns),
+                        *as_host(host.hostname, hosts, (own_dir, self.temp)),
+                        *command,
+                    ],
+                    env=node_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            if self._joins(host, before, log_path, last=attempt == NODE_START_TRIES):
+                return host
+            host.kill()
+            host.proc.wait()
+            # A raylet that registered late is dropped by the GCS once its host is dead.
+            wait_for(
+                lambda: not set(self.node_ids()) - before,
+                timeout=60,
+                interval=1,
+                what=f"{host.hostname}'s failed start to leave the cluster",
+            )
+        raise AssertionError("unreachable")
+
+    def _joins(self, host: Host, before: set[str], log_path: Path, last: bool) -> bool:
+        """Whether ``host``'s node joins the head (its ``ray start`` exiting is a failed
+        start: an error on the last try)."""
+        proc = host.proc
+        assert proc is not None
 
         def joined() -> bool:
-            if host.proc is not None and host.proc.poll() is not None:
-                raise AssertionError((self.work / f"{host.hostname}.log").read_text()[-3000:])
+            if proc.poll() is not None:
+                if last:
+                    raise AssertionError(log_path.read_text()[-3000:])
+                return True
             new = set(self.node_ids()) - before
             if new:
                 (host.node_id,) = new
             return bool(new)
 
         wait_for(joined, timeout=120, interval=1, what=f"{host.hostname} to join the head")
-        return host
+        return proc.poll() is None
 
     def alive(self) -> list[Host]:
         return [h for h in self.hosts if h.alive]
