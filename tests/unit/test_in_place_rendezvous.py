@@ -5,12 +5,15 @@ that grows waits for a late joiner. Real process groups on loopback, a thread pe
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import pytest
 import torch
 from torch._C._distributed_c10d import AllreduceOptions, ReconfigureOptions
 
@@ -39,17 +42,12 @@ def reconfigure_all(groups: list[Any], uuid: int, handles: list[str]) -> list[An
     return outcome
 
 
-@pytest.fixture(autouse=True)
-def gloo_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-
-
 def formed(groups: list[Any], uuid: int) -> list[Any]:
     """The groups' quorum formed (each group with a fresh handle)."""
     return reconfigure_all(groups, uuid, [g.get_reconfigure_handle() for g in groups])
 
 
-def test_after_a_loss_a_member_that_never_comes_is_given_up_after_the_rendezvous_timeout() -> None:
+def given_up_after_a_loss() -> None:
     a, b, dying, lost = (node_bound_gloo("127.0.0.1", COLLECTIVE) for _ in range(4))
     assert formed([a, b, dying, lost], 1) == [None] * 4  # training at 4
     # ``lost`` is gone; ``dying`` was put in the next quorum by the lighthouse, then died:
@@ -85,7 +83,7 @@ def test_after_a_loss_a_member_that_never_comes_is_given_up_after_the_rendezvous
     assert torch.equal(results["a"], expected) and torch.equal(results["b"], expected)
 
 
-def test_a_quorum_that_grows_waits_for_a_late_joiner() -> None:
+def waits_for_a_late_joiner() -> None:
     a, b = node_bound_gloo("127.0.0.1", COLLECTIVE), node_bound_gloo("127.0.0.1", COLLECTIVE)
     assert formed([a], 1) == [None]
     joiner = node_bound_gloo("127.0.0.1", COLLECTIVE)
@@ -99,7 +97,7 @@ def test_a_quorum_that_grows_waits_for_a_late_joiner() -> None:
     late.join(30)
 
 
-def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
+def formed_again_after_a_failed_try() -> None:
     """After a loss, one member late past the timeout fails the try for all; the retry of
     the same quorum (same id) forms the group."""
     a, b, c = (node_bound_gloo("127.0.0.1", COLLECTIVE) for _ in range(3))
@@ -113,3 +111,41 @@ def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
     assert isinstance(reconfigure_all([a], 7, handles)[0], Exception)
     late.join(30)
     assert formed([a, b], 7) == [None, None]
+
+
+def _scenario(name: str, errors: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        globals()[name]()
+    except BaseException:
+        errors.put(traceback.format_exc())
+        raise
+    errors.put(None)
+
+
+def in_a_fresh_process(scenario: Callable[[], None]) -> None:
+    """Runs ``scenario`` in a process of its own, as replicas are: its groups, stores and
+    their native threads end with it, never in the test runner's process."""
+    context = multiprocessing.get_context("spawn")
+    errors = context.Queue()
+    process = context.Process(target=_scenario, args=(scenario.__name__, errors))
+    process.start()
+    try:
+        error = errors.get(timeout=120)
+    finally:
+        process.join(30)
+        if process.is_alive():
+            process.kill()
+    assert error is None, error
+
+
+def test_after_a_loss_a_member_that_never_comes_is_given_up_after_the_rendezvous_timeout() -> None:
+    in_a_fresh_process(given_up_after_a_loss)
+
+
+def test_a_quorum_that_grows_waits_for_a_late_joiner() -> None:
+    in_a_fresh_process(waits_for_a_late_joiner)
+
+
+def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
+    in_a_fresh_process(formed_again_after_a_failed_try)
