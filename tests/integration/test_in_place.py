@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from elastic.in_place.replica import RENDEZVOUS_TIMEOUT
 from tests.conftest import ClusterPool, longest_pause_after, wait_for, wait_until_ended
 from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     BATCH,
@@ -40,6 +41,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.alone]
 # at 3 replicas on this shared 2-core machine): hence 1.5 s and not 1 s.
 LOSS_PAUSE_BOUND_S = 1.5
 JOIN_PAUSE_BOUND_S = 1.0
+# Two nodes lost: a member of the survivors' next quorum may be one that is dying, which that
+# quorum's process group gives up after elastic.in_place.replica.RENDEZVOUS_TIMEOUT.
+TWO_LOSSES_PAUSE_BOUND_S = LOSS_PAUSE_BOUND_S + RENDEZVOUS_TIMEOUT.total_seconds()
 
 
 def in_place_job(steps: int) -> dict[str, Any]:
@@ -216,7 +220,7 @@ def test_two_nodes_killed_at_once_leave_one_replica_training_and_both_rejoin(
     # Seen as one quorum change or as two: either way 3 -> 1, each redoing at most a step.
     assert losses and losses[0]["from_world"] == 3 and losses[-1]["to_world"] == 1, losses
     assert all(x["steps_redone"] <= 1 for x in losses), losses
-    assert all(x["pause_seconds"] < LOSS_PAUSE_BOUND_S for x in losses), losses
+    assert all(x["pause_seconds"] < TWO_LOSSES_PAUSE_BOUND_S for x in losses), losses
     first_loss = events(api, job["id"], "worker_lost")[0]["seq"]
     joined = [e["data"] for e in events(api, job["id"], "joined") if e["seq"] > first_loss]
     print("in place, joins after two kills:", joined)
@@ -228,10 +232,8 @@ def test_two_nodes_killed_at_once_leave_one_replica_training_and_both_rejoin(
 
 # Two nodes lost 0.3 s apart: the lighthouse drops the first after its 0.3 s heartbeat
 # timeout, so the survivors' next quorum can hold the second replica, which dies while that
-# quorum's process group forms. Its rendezvous gives the dead member up after
-# elastic.in_place.replica.RENDEZVOUS_TIMEOUT (1.5 s); the goal is 2 s from the first kill,
-# and the bound leaves room for the loaded 2-core machine (64 s was seen before).
-CORRELATED_PAUSE_BOUND_S = 3.0
+# quorum's process group forms (64 s was seen before the rendezvous timeout). The goal is 2 s
+# from the first kill; measured here 2.1-2.3 s.
 
 
 def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
@@ -250,7 +252,7 @@ def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
     wait_until(api, job["id"], lambda j: j["step"] >= at_one["step"] + 10, 60, "training alone")
     pause = longest_pause_after(first_killed, events(api, job["id"], "metrics"))
     print(f"in place, two nodes lost 0.3 s apart: {pause:.2f} s from the first kill")
-    assert pause <= CORRELATED_PAUSE_BOUND_S, pause
+    assert pause <= TWO_LOSSES_PAUSE_BOUND_S, pause
     pool.add_node()
     pool.add_node()
     wait_until(api, job["id"], lambda j: j["world_size"] == 3, 180, "both nodes back")
