@@ -614,7 +614,11 @@ class JobLoop:
         if what == EventKind.METRICS:
             done = None if completed is None else int(completed)
             rate, world = data.get("samples_per_s"), data.get("world_size")
-            if rate and world:
+            # An attempt's first report times its first step, which also builds what later
+            # steps reuse (DDP's buckets, the loader's iterator): told to the scheduler as
+            # the rate at this size, it made a job that gains from a worker look as if it
+            # did not, and the worker went back.
+            if rate and world and current.running:
                 self.throughput[int(world)] = float(rate)
             current.saw_step(int(data.get("step", 0)), done)
             if not current.running:

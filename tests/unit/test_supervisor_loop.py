@@ -244,13 +244,14 @@ class Harness:
         await self.until(lambda: len(self.runner.specs) >= number, f"attempt {number}")
         return self.runner.specs[number - 1]
 
-    async def workers_start(self, number: int, step: int) -> None:
-        """The attempt's workers register and report their first step."""
+    async def workers_start(self, number: int, step: int, **first: Any) -> None:
+        """The attempt's workers register and report their first step (``first``: more
+        fields of that report)."""
         spec = await self.attempt(number)
         await self.until(lambda: self.loop.attempt is not None, "the attempt")
         for rank, node in enumerate(self.runner.nodes):
             self.loop.register_worker(spec.attempt, rank, node)
-        self.metrics(spec.attempt, step)
+        self.metrics(spec.attempt, step, **first)
 
     def metrics(self, attempt: int, step: int, **extra: Any) -> None:
         self.loop.record("metrics", {"attempt": attempt, "step": step, "world_size": 0} | extra)
@@ -773,7 +774,8 @@ def test_the_job_registers_its_demand_and_waits_while_the_scheduler_holds_it_bac
         assert h.of("waiting") == [{"reason": "waiting: 1 job of higher priority ahead"}]
         assert h.runner.specs == []  # three slots are free, and it does not take them
         decide(cluster, 2, Change.START, "started")
-        await h.workers_start(1, step=1)
+        # The first step's rate times a warm-up too: not told as the rate at 2.
+        await h.workers_start(1, step=1, samples_per_s=30.0, world_size=2)
         assert h.runner.specs[0].world_size == 2  # the scheduler's size, not what is free
         h.metrics(1, 2, samples_per_s=80.0, world_size=2)
         await h.until(lambda: h.capacity.observed == [(2, 80.0)], "the throughput told")
