@@ -42,6 +42,10 @@ class CheckpointStorage(Protocol):
         """The manifest, or None when there is none or it cannot be parsed."""
         ...
 
+    def present(self, name: str) -> bool:
+        """Whether anything of checkpoint ``name`` is there, a corrupt one's parts too."""
+        ...
+
     def part_digest(self, name: str, part: str) -> tuple[int, str] | None:
         """(size, SHA-256) of one part, or None when it is missing."""
         ...
@@ -120,6 +124,9 @@ class LocalCheckpointStorage:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+
+    def present(self, name: str) -> bool:
+        return (self.root / name).is_dir()
 
     def names(self) -> list[str]:
         if not self.root.is_dir():
@@ -295,6 +302,9 @@ class ObjectCheckpointStorage:
 
     def names(self) -> list[str]:
         return [n for n in self._top_level() if self._exists(self._key(n, MANIFEST))]
+
+    def present(self, name: str) -> bool:
+        return name in self._top_level()
 
     def read_manifest(self, name: str) -> dict[str, Any] | None:
         try:

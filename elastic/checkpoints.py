@@ -41,8 +41,16 @@ class CheckpointInfo:
     created_at: float
 
 
-class CorruptCheckpoint(Exception):
-    pass
+class UnusableCheckpoint(Exception):
+    """A checkpoint that cannot be loaded."""
+
+
+class CorruptCheckpoint(UnusableCheckpoint):
+    """Its parts do not match its manifest, or the manifest is unreadable."""
+
+
+class CheckpointGone(UnusableCheckpoint):
+    """It is no longer there: retention removed it (a newer one took its slot)."""
 
 
 @dataclass
@@ -91,6 +99,14 @@ class CheckpointDir:
             return parent.rstrip("/") == self.location
         return Path(parent).resolve() == Path(self.location).resolve()
 
+    def exists(self, location: str | os.PathLike[str]) -> bool:
+        """Whether the checkpoint at ``location`` is still in its directory (retention
+        removes old ones; a corrupt one is there until it is moved aside)."""
+        text = os.fspath(location)
+        if not self._owns(text):
+            return CheckpointDir(split_location(text)[0]).exists(text)
+        return self.storage.present(split_location(text)[1])
+
     def local_copy(self, location: str | os.PathLike[str]) -> Path:
         """Verify the checkpoint at ``location`` and give a local directory with its
         parts: the checkpoint itself on a filesystem, a verified download from a store."""
@@ -102,8 +118,11 @@ class CheckpointDir:
             return Path(text)
         name = split_location(text)[1]
         local = self.storage.local_copy(name)
+        manifest = self.storage.read_manifest(name)
+        if manifest is None and not self.exists(text):
+            raise CheckpointGone(f"{name}: removed by retention")
         # Hash what was downloaded (once) rather than reading the store twice.
-        verify_files(local, self.storage.read_manifest(name))
+        verify_files(local, manifest)
         return local
 
     # -- writing -------------------------------------------------------------------------
@@ -176,6 +195,8 @@ class CheckpointDir:
             return
         manifest = self.storage.read_manifest(name)
         if manifest is None:
+            if not self.exists(text):
+                raise CheckpointGone(f"{name}: removed by retention")
             raise CorruptCheckpoint(f"{name}: unreadable manifest")
         if not _well_formed(manifest):
             raise CorruptCheckpoint(f"{name}: unknown manifest format")
@@ -211,6 +232,8 @@ class CheckpointDir:
         for info in reversed(self.existing()):
             try:
                 self.verify(info.path)
+            except CheckpointGone:
+                continue  # removed since it was listed: not a corrupt one
             except CorruptCheckpoint as e:
                 skipped.append((info, str(e)))
                 continue
@@ -225,7 +248,10 @@ class CheckpointDir:
         result = Pruned()
         valid: dict[int, CheckpointInfo] = {}
         for info in self.existing():
-            why = self._verified_ok(info)
+            try:
+                why = self._verified_ok(info)
+            except CheckpointGone:
+                continue  # another writer's retention removed it meanwhile
             if why is None:
                 valid[info.step] = info
                 continue

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import time
@@ -15,6 +16,7 @@ import ray
 
 from elastic.arrivals import Outbox
 from elastic.attempt_runner import resolve
+from elastic.checkpoints import CheckpointDir
 from elastic.in_place.members import QuorumMembers, replica_id
 from elastic.in_place.orphan import die_with_parent
 from elastic.worker_config import WorkerConfig
@@ -251,6 +253,14 @@ class Replica:
         supervisor.register_worker.remote(
             meta.attempt, replica, ray.get_runtime_context().get_node_id()
         )
+        if meta.resume_path is not None and (
+            must_heal or not CheckpointDir(meta.checkpoint_dir).exists(meta.resume_path)
+        ):
+            # A joiner takes the job's state from a peer (its heal) and never from storage:
+            # the checkpoint its attempt began from may be gone, removed by retention once
+            # the peers saved newer ones, and a heal overwrites all of it anyway.
+            meta = dataclasses.replace(meta, resume_path=None)
+            must_heal = True
         # Only a replica placed when the attempt started cleans a crashed writer's leftovers:
         # a joiner must not remove the staging directory of a write in flight.
         worker = WorkerContext(0 if replica == 0 else 1, 1, meta, supervisor)

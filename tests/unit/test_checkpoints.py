@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.checkpoints import CheckpointDir, CorruptCheckpoint, steps_to_delete
+from elastic.checkpoints import CheckpointDir, CheckpointGone, CorruptCheckpoint, steps_to_delete
 
 
 def write(payload: bytes):
@@ -51,6 +51,26 @@ def test_corrupt_newest_is_skipped_for_the_previous(tmp_path: Path) -> None:
     assert [(s.step, why) for s, why in skipped] == [
         (20, "step_0000000020: state.pt fails its checksum")
     ]
+
+
+def test_a_checkpoint_retention_removed_is_gone_and_not_corrupt(tmp_path: Path) -> None:
+    """What a reader holding an old path (a replica whose attempt began from it) is told
+    once retention removed it: gone. One whose manifest is lost but whose parts are there
+    is corrupt."""
+    ckpts = CheckpointDir(tmp_path)
+    first = ckpts.save(10, write(b"a"))
+    ckpts.save(20, write(b"b"))
+    assert [c.step for c in ckpts.prune(keep=1).removed] == [10]
+    assert not ckpts.exists(first.path)
+    with pytest.raises(CheckpointGone, match="step_0000000010: removed by retention"):
+        ckpts.verify(first.path)
+    with pytest.raises(CheckpointGone):
+        ckpts.local_copy(first.path)
+    damaged = ckpts.save(30, write(b"c"))
+    (Path(damaged.path) / "manifest.json").unlink()
+    assert ckpts.exists(damaged.path)
+    with pytest.raises(CorruptCheckpoint, match="step_0000000030: unreadable manifest"):
+        ckpts.verify(damaged.path)
 
 
 def test_a_missing_manifest_is_not_a_checkpoint(tmp_path: Path) -> None:
