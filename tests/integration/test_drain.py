@@ -38,6 +38,9 @@ DEADLINE_S = 120
 # Far apart, so that a pause at the next scheduled checkpoint would come long after the
 # notice: the drain must not wait for it.
 EVERY_STEPS = 200
+# The shortest notice a cloud gives (GCP's preemption): the job is off the node within it,
+# timed from the notice to the resize's event.
+SHORTEST_NOTICE_S = 30
 
 
 def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -132,7 +135,7 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
             except AssertionError as e:
                 timeline = [(x["time"], x["kind"], x["data"]) for x in all_events(api, jid)]
                 raise AssertionError(f"{e}; the job's events: {timeline[-40:]}") from None
-            assert time.time() * 1000 < deadline_ms  # before the node goes
+            assert stamp(resized) - drained_at < SHORTEST_NOTICE_S, resized
             data = resized["data"]
             assert (data["reason"], data["from_world"], data["to_world"]) == ("drain", 3, 2)
             assert data["steps_redone"] == 0, data
@@ -209,6 +212,7 @@ def test_in_place_a_drained_node_s_replica_leaves_and_the_others_train_on(
             (victim,) = [n for n in ray_cluster.pool if n.node_id == node_id]
             deadline_ms = int((time.time() + DEADLINE_S) * 1000)
             at_notice = get(api, jid)["step"]
+            drained_at = time.time()
             drain(node_id, deadline_ms)
 
             def drained() -> dict[str, Any] | None:
@@ -217,7 +221,7 @@ def test_in_place_a_drained_node_s_replica_leaves_and_the_others_train_on(
                 return next((e for e in page.json()["items"] if "reason" in e["data"]), None)
 
             resized = wait_for(drained, 60, what="the resize off the draining node")
-            assert time.time() * 1000 < deadline_ms
+            assert stamp(resized) - drained_at < SHORTEST_NOTICE_S, resized
             data = resized["data"]
             assert (data["reason"], data["from_world"], data["to_world"]) == ("drain", 3, 2)
             assert data["steps_redone"] == 0, data

@@ -167,6 +167,17 @@ def samples_that_count(checkpoint_root: Path) -> Counter[tuple[int, int]]:
     return counted
 
 
+def assert_every_sample_once(checkpoint_root: Path, steps: int) -> None:
+    """Every sample of every epoch the job's ``steps`` covered went into the model exactly
+    once: none twice, none left out."""
+    counted = samples_that_count(checkpoint_root)
+    assert set(counted.values()) == {1}
+    # 15 steps of 63 and one of 55 make an epoch of 1000.
+    assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+    for epoch in range(steps // 16):
+        assert {i for e, i in counted if e == epoch} == set(range(DATASET)), epoch
+
+
 def equivalence_job(steps: int) -> dict[str, Any]:
     spec = elastic_job(steps)
     # Augmentations seeded per sample: part of what must not change with the world size.
@@ -221,13 +232,7 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     assert (grow["from_world"], grow["to_world"], grow["steps_redone"]) == (3 - 1, 3, 0)
     assert grow["checkpoint_step"] % 10 == 0
 
-    # Every sample of every epoch went into the model exactly once.
-    counted = samples_that_count(tmp_path / "checkpoints" / job["id"])
-    assert set(counted.values()) == {1}
-    assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
-    full_epochs = steps // 16  # 15 steps of 63 and one of 55 make an epoch of 1000
-    for epoch in range(full_epochs):
-        assert {i for e, i in counted if e == epoch} == set(range(DATASET))
+    assert_every_sample_once(tmp_path / "checkpoints" / job["id"], steps)
 
     # The proof that elasticity is invisible to the model.
     root = tmp_path / "checkpoints"
@@ -265,7 +270,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_one_before(
     ]
     (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
     assert restored["checkpoint_step"] == bad_step - 50
-    assert set(samples_that_count(root).values()) == {1}
+    assert_every_sample_once(root, 400)
 
 
 def test_below_min_workers_the_job_waits_then_fails(api: httpx.Client, pool: ClusterPool) -> None:
@@ -340,7 +345,7 @@ def test_a_job_whose_supervisor_dies_goes_on_from_its_checkpoint(
     ]
     (restored,) = [e["data"] for e in events(api, job["id"], "restored")]
     assert restored["checkpoint_step"] == note["checkpoint_step"]
-    assert set(samples_that_count(tmp_path / "checkpoints" / job["id"]).values()) == {1}
+    assert_every_sample_once(tmp_path / "checkpoints" / job["id"], steps)
 
 
 # Kill to the first step at the new size: bench/recovery.py's median on the 2-core machine
@@ -369,10 +374,13 @@ def test_a_node_loss_is_timed_from_the_failure(api: httpx.Client, pool: ClusterP
     api.post(f"/v1/jobs/{job['id']}/cancel")
 
     assert 0 < shrink["recovery_seconds"] < RECOVERY_BOUND_S
-    # Timed from the first failure signal, which comes seconds at most after the kill (the
-    # survivors' collectives fail at once; Ray's membership lags ~3 s): not from detection.
-    assert measured - 5 <= shrink["recovery_seconds"] <= measured + 0.5
-    assert 0 <= shrink["detection_seconds"] <= shrink["recovery_seconds"]
+    # Timed from the first failure signal, a step at most after the kill (the survivors'
+    # collectives fail at once), not from Ray's membership, which lags 3 s (three missed
+    # 1 s health checks): a recovery timed from that would be 3 s short of the measured.
+    assert measured - 1.5 <= shrink["recovery_seconds"] <= measured + 0.5, (measured, shrink)
+    # The attempt ended after that signal (1.55 s after it, seen) and before Ray's word
+    # could have ended it; 0 would be an end before the signal, hidden by the clamp.
+    assert 0 < shrink["detection_seconds"] < 2.5, shrink
     (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
     assert lost["from_world"] == 3 and len(lost["nodes"]) == 1
 
@@ -437,4 +445,4 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     # The goal is 10 s from the kill to the first step at 2 on this 2-core machine; the
     # bound leaves room for a loaded machine, not for a worker group started anew (~24 s).
     assert first_at_2 - killed_at < 15, first_at_2 - killed_at
-    assert set(samples_that_count(tmp_path / "checkpoints" / job["id"]).values()) == {1}
+    assert_every_sample_once(tmp_path / "checkpoints" / job["id"], steps)
