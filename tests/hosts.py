@@ -15,7 +15,10 @@ root network namespace on the bridge's address, with a host name of its own that
 to 127.0.1.1 there and to nothing on the nodes. The service (``etrain serve``) is a separate
 process in the root namespace, connected to the head, as an operator would run it.
 
-Faults are injected per node: ``kill`` (SIGKILL of every process in the node's namespace).
+Faults are injected per node: ``kill`` (SIGKILL of every process in the node's namespace),
+``partition`` (both ways, or one way: the node hears its peers and they do not hear it; with
+nftables in the node's namespace, packets dropped, never refused) healed by ``heal``, and
+``freeze`` (every process SIGSTOPped) ended by ``thaw``.
 Processes are found by namespace, never by name: other Ray clusters on the machine (the
 suite's pool, CI's) are never touched. Needs root, ``ip`` (iproute2) and ``unshare``;
 :func:`unavailable` says why a machine cannot, and the tests skip with that reason.
@@ -108,6 +111,48 @@ class Host:
     @property
     def alive(self) -> bool:
         return bool(pids_in(self.netns))
+
+    def _nft(self, script: str) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", self.netns, "nft", "-f", "-"],
+            input=script.encode(),
+            check=True,
+            capture_output=True,
+        )
+
+    def partition(self, one_way: bool = False) -> float:
+        """Cut from every peer: nothing it sends leaves it and nothing sent to it arrives;
+        ``one_way``: it still hears its peers, and they do not hear it. Packets are dropped,
+        not refused (no reset: its peers' connections hang, as across a cut link). Returns
+        the time the cut took effect."""
+        rules = [
+            "add table inet etcut",
+            "add chain inet etcut out { type filter hook output priority 0; policy accept; }",
+            'add rule inet etcut out oifname "eth0" drop',
+        ]
+        if not one_way:
+            rules += [
+                "add chain inet etcut in { type filter hook input priority 0; policy accept; }",
+                'add rule inet etcut in iifname "eth0" drop',
+            ]
+        self._nft("\n".join(rules) + "\n")
+        return time.time()
+
+    def heal(self) -> None:
+        self._nft("delete table inet etcut\n")
+
+    def freeze(self) -> float:
+        """Every process of the node stopped (SIGSTOP): a machine that hangs, its sockets
+        open. Returns the time of the stop."""
+        for pid in pids_in(self.netns):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        return time.time()
+
+    def thaw(self) -> None:
+        for pid in pids_in(self.netns):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 @dataclass
