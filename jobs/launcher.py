@@ -26,9 +26,16 @@ log = logging.getLogger(__name__)
 SupervisorGone = RayActorError
 
 ACTOR_PREFIX = "etrain-supervisor-"
-# For a Ray instance the service starts itself: a node that stops answering is declared
-# dead after ~3 s instead of Ray's default ~15 s, so elastic recovery starts sooner.
-FAST_FAILURE_DETECTION = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+# For a Ray instance the service starts itself (and the Helm chart's Ray, as environment
+# variables): a node that stops answering is declared dead after ~3 s, so elastic recovery
+# starts sooner. Ray's defaults (a check every 3 s, each waiting up to 10 s for its answer,
+# 5 missed) take 15 s for a node whose connections are refused, and about a minute for one
+# cut off (its packets dropped), where every check waits out its timeout.
+FAST_FAILURE_DETECTION = {
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
 # Ray's switch that, when off, makes every node address the loopback one.
 _LOOPBACK_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 

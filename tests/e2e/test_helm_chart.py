@@ -21,6 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from jobs.launcher import FAST_FAILURE_DETECTION
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -546,6 +547,12 @@ def test_raycluster_defaults() -> None:
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory", group
         env = env_of(container)
         assert env["RAY_AUTH_MODE"]["value"] == "token", group
+        # A lost node is declared dead as fast as on the service's own Ray.
+        assert {
+            name.removeprefix("RAY_"): int(env[name]["value"])
+            for name in env
+            if name.startswith("RAY_health_check_")
+        } == FAST_FAILURE_DETECTION, group
         assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
             "secretKeyRef": {"name": RAY_CLUSTER, "key": "auth_token"}
         }, group

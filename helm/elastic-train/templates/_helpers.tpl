@@ -215,6 +215,15 @@ Env of every Ray container: Ray token auth, a writable HOME, extra env.
       key: auth_token
 - name: HOME
   value: /tmp
+{{- /* A lost node declared dead in about 3 s, as jobs/launcher.py's FAST_FAILURE_DETECTION
+  for the service's own Ray: Ray's defaults take a minute for a node cut off, its packets
+  dropped, during which a restart-mode job's workers wait on it. */}}
+- name: RAY_health_check_period_ms
+  value: "1000"
+- name: RAY_health_check_timeout_ms
+  value: "1000"
+- name: RAY_health_check_failure_threshold
+  value: "3"
 {{- with .Values.ray.kuberay.extraEnv }}
 {{ toYaml . }}
 {{- end }}
