@@ -276,6 +276,37 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
     return killed
 
 
+# How long a supervisor may outlive its job's end: the service stops it once it has stored
+# the job's terminal state (it polls its events every 0.2-1 s).
+SUPERVISOR_AFTER_END_S = 15.0
+
+
+def supervisors_outliving_their_job(grace_s: float = SUPERVISOR_AFTER_END_S) -> list[str]:
+    """The supervisors still alive ``grace_s`` after their job ended, with its state: a
+    leak (each holds a process, and its job's Ray resources, forever)."""
+    import ray
+
+    from elastic.job_loop import TERMINAL
+    from jobs.launcher import ACTOR_PREFIX
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        ended = []
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if not actor["name"].startswith(ACTOR_PREFIX):
+                continue
+            try:
+                handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                state = ray.get(handle.status.remote(), timeout=5)["state"]
+            except Exception:  # it ended meanwhile, or does not answer
+                continue
+            if state in TERMINAL:
+                ended.append(f"{actor['name']} ({state})")
+        if not ended or time.monotonic() > deadline:
+            return ended
+        time.sleep(0.5)
+
+
 def wait_until_the_scheduler_sees_the_pool(timeout_s: float = 30.0) -> None:
     """The cluster's scheduler (the shared membership watcher, which polls Ray every 0.5 s)
     sees every node of the pool with its CPU free and unclaimed, and plans for no job: a job
@@ -323,6 +354,9 @@ def no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     pool = request.getfixturevalue("ray_cluster")
     yield
+    # Supervisors of jobs the test left running are ended below; one whose job ended and
+    # that the service did not stop is a leak, reported.
+    leaked = supervisors_outliving_their_job()
     end_every_job()
     pool.restore_pool()
     wait_until_the_pool_is_free()
@@ -330,6 +364,9 @@ def no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     # or the first size; seen: a restarted service's job started at 1 of 2 just after a
     # test had added a node back).
     wait_until_the_scheduler_sees_the_pool()
+    assert not leaked, (
+        f"supervisors alive {SUPERVISOR_AFTER_END_S:.0f} s after their job ended: {leaked}"
+    )
 
 
 def free_port() -> int:
