@@ -338,15 +338,17 @@ class HostCluster:
         code = (
             "import json, ray\n"
             f"ray.init(address='{self.address}', log_to_driver=False)\n"
-            "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']"
+            "print('nodes:', json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']"
             f" and n['NodeManagerAddress'] != '{self.head_address}']))\n"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], env=node_env(), capture_output=True, text=True
         )
-        if out.returncode != 0:
+        # Ray may print lines of its own (a raylet's message from the driver's cluster).
+        found = [line for line in out.stdout.splitlines() if line.startswith("nodes: ")]
+        if out.returncode != 0 or not found:
             return []
-        return list(json.loads(out.stdout.strip().splitlines()[-1]))
+        return list(json.loads(found[-1].removeprefix("nodes: ")))
 
     def close(self) -> None:
         for host in self.hosts:

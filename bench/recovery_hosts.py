@@ -1,0 +1,129 @@
+"""Recovery after a host is lost, on Ray nodes that are hosts: elastic-train in both modes.
+
+The cluster is the test bed of ``tests/hosts.py``: a head on a bridge and three one-CPU
+worker nodes, each in network, UTS and mount namespaces of its own (its own address, a host
+name the others cannot resolve), the service as a separate ``etrain serve`` connected to the
+head. That is what a user's cluster is, unlike ``bench/recovery.py``'s nodes, which share
+loopback. The job is ``bench/recovery.py``'s (the small CNN, global batch 60, a checkpoint
+every 10 steps). Once step KILL_AT_STEP is seen at 3 workers, every process of the host
+that holds rank 1 is SIGKILLed (a machine lost); once the smaller world reaches
+GROW_AT_STEP, a host is added back. The modes alternate, each first in turn, --repeat times.
+The figures come from the same step records and summary as ``bench/recovery.py``'s.
+
+Needs root (network namespaces), ``ip`` and ``unshare``.
+
+    .venv/bin/python -m bench.recovery_hosts --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.recovery import (
+    ROWS,
+    JobEvents,
+    _cell,
+    job_spec,
+    metrics_records,
+    with_samples,
+)
+from bench.recovery_ray import BATCH, GROW_AT_STEP, KILL_AT_STEP, STEPS, WORKER_NODES
+from bench.recovery_records import summarize
+from tests.hosts import HostCluster, service, unavailable
+
+MODES = ["restart", "in_place"]
+HEADERS = {"restart": "ours, restart", "in_place": "ours, in_place"}
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+def rank1_host(api: httpx.Client, hosts: HostCluster, job_id: str) -> Any:
+    """The host whose node holds the job's rank 1 (replica 1 in place), once it is known."""
+    (job,) = [j for j in api.get("/v1/cluster").json()["jobs"] if j["id"] == job_id]
+    node = job["workers"].get("1")
+    return next((h for h in hosts.hosts if h.node_id == node and h.alive), None)
+
+
+def run(api: httpx.Client, hosts: HostCluster, root: Path, mode: str) -> dict[str, float]:
+    hosts.restore(WORKER_NODES)
+    started = time.time()
+    job_id = api.post("/v1/jobs", json=job_spec(STEPS, mode)).json()["id"]
+    events = JobEvents(api, job_id)
+    while True:
+        seen = metrics_records(events())
+        if any(r.step >= KILL_AT_STEP and r.world == WORKER_NODES for r in seen):
+            victim = rank1_host(api, hosts, job_id)
+            if victim is not None:
+                break
+        time.sleep(0.02)
+    killed_at = victim.kill()
+    added_at = None
+    while api.get(f"/v1/jobs/{job_id}").json()["state"] not in ENDED:
+        seen = metrics_records(events())
+        if added_at is None and any(
+            r.time > killed_at and r.world < WORKER_NODES and r.step >= GROW_AT_STEP for r in seen
+        ):
+            hosts.add_node()
+            added_at = time.time()
+        time.sleep(0.2)
+    final = api.get(f"/v1/jobs/{job_id}").json()
+    assert final["state"] == "succeeded", final
+    items = events()
+    records = with_samples(metrics_records(items), root / job_id)
+    figures = summarize(records, started, killed_at, added_at, STEPS, BATCH)
+    if mode == "in_place":
+        lost = next(e["data"] for e in items if e["kind"] == "worker_lost")
+        figures |= {
+            "reported_s": lost["recovery_seconds"],
+            "reported_pause_s": lost["pause_seconds"],
+            "reported_redone": lost["steps_redone"],
+            # A step thrown away leaves no record (only committed steps are reported).
+            "steps_redone": lost["steps_redone"],
+        }
+    else:
+        shrink = next(e["data"] for e in items if e["kind"] == "resized")
+        figures["reported_s"] = shrink["recovery_seconds"]
+    return figures | {"grew": float("grow_s" in figures)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each mode (>= 3)")
+    args = parser.parse_args()
+    why = unavailable()
+    if why is not None:
+        parser.exit(2, f"this machine cannot make hosts: {why}\n")
+    work = Path(tempfile.mkdtemp(prefix="etrain-bench-hosts-"))
+    (work / "cluster").mkdir()
+    (work / "service").mkdir()
+    hosts = HostCluster(work / "cluster")
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    try:
+        hosts.start(WORKER_NODES)
+        with service(hosts, work / "service") as api:
+            for rep in range(args.repeat):
+                order = MODES if rep % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    figures = run(api, hosts, work / "service" / "checkpoints", mode)
+                    results[mode].append(figures)
+                    print(f"repetition {rep + 1}, {mode}: {figures}", flush=True)
+    finally:
+        hosts.close()
+    print()
+    print(f"median (range) of {args.repeat} runs per mode, on 3 nodes that are hosts")
+    print()
+    print(f"| {'':48} | " + " | ".join(f"{HEADERS[m]:>21}" for m in MODES) + " |")
+    print(f"| {'-' * 48} | " + " | ".join("-" * 21 for _ in MODES) + " |")
+    for label, key, fmt in ROWS:
+        cells = [_cell([r[key] for r in results[m] if r.get(key) is not None], fmt) for m in MODES]
+        if any(c != "-" for c in cells):
+            print(f"| {label:48} | " + " | ".join(f"{c:>21}" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
