@@ -18,8 +18,10 @@ Needs root (network namespaces), ``ip`` and ``unshare``.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from bench.recovery import (
     with_samples,
 )
 from bench.recovery_ray import BATCH, GROW_AT_STEP, KILL_AT_STEP, STEPS, WORKER_NODES
-from bench.recovery_records import summarize
+from bench.recovery_records import StepRecord, summarize
 from tests.hosts import HostCluster, service, unavailable
 
 MODES = ["restart", "in_place"]
@@ -47,6 +49,31 @@ def rank1_host(api: httpx.Client, hosts: HostCluster, job_id: str) -> Any:
     (job,) = [j for j in api.get("/v1/cluster").json()["jobs"] if j["id"] == job_id]
     node = job["workers"].get("1")
     return next((h for h in hosts.hosts if h.node_id == node and h.alive), None)
+
+
+def with_unreported_steps(records: list[StepRecord], job_root: Path) -> list[StepRecord]:
+    """In place, the committed steps the sample audit holds and no report does: the quorum's
+    rank 0 reports each step, and one lost right after a commit takes that report with it
+    (the survivors hold the step, and every committing replica audits the whole batch).
+    Each is counted at the next reported step's time: it adds no pause."""
+    reported = {(r.attempt, r.step) for r in records}
+    audited: dict[tuple[str, int], list[int]] = {}
+    for f in (job_root / "samples").iterdir():
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            audited.setdefault((str(r["a"]), r["s"]), r["i"])
+    added = []
+    for (attempt, step), indices in audited.items():
+        if (attempt, step) in reported:
+            continue
+        later = min(
+            (r for r in records if r.attempt == attempt and r.step > step),
+            key=lambda r: r.step,
+            default=None,
+        )
+        if later is not None:
+            added.append(replace(later, step=step, indices=tuple(indices)))
+    return sorted([*records, *added], key=lambda r: (r.time, r.step))
 
 
 def run(api: httpx.Client, hosts: HostCluster, root: Path, mode: str) -> dict[str, float]:
@@ -75,6 +102,8 @@ def run(api: httpx.Client, hosts: HostCluster, root: Path, mode: str) -> dict[st
     assert final["state"] == "succeeded", final
     items = events()
     records = with_samples(metrics_records(items), root / job_id)
+    if mode == "in_place":
+        records = with_unreported_steps(records, root / job_id)
     figures = summarize(records, started, killed_at, added_at, STEPS, BATCH)
     if mode == "in_place":
         lost = next(e["data"] for e in items if e["kind"] == "worker_lost")
