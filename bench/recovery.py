@@ -243,6 +243,22 @@ def _cell(values: list[float], fmt: str) -> str:
     return f"{mid} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def print_table(columns: dict[str, list[dict[str, float]]]) -> None:
+    """ROWS as a Markdown table, a column per side (its header: its runs' figures), each cell
+    the median (range) of its runs. A figure a run could not give (None: e.g. no failure
+    signal when the lost replica left between two steps) is left out of its cell; a row no
+    side gives is left out."""
+    print(f"| {'':48} | " + " | ".join(f"{h:>21}" for h in columns) + " |")
+    print(f"| {'-' * 48} | " + " | ".join("-" * 21 for _ in columns) + " |")
+    for label, key, fmt in ROWS:
+        cells = [
+            _cell([r[key] for r in runs if r.get(key) is not None], fmt)
+            for runs in columns.values()
+        ]
+        if any(c != "-" for c in cells):
+            print(f"| {label:48} | " + " | ".join(f"{c:>21}" for c in cells) + " |")
+
+
 def run_side(side: str, cluster: Cluster, nodes: list[Any], where: str) -> dict[str, float]:
     extra: dict[str, float] = {}
     if side == "stock":
@@ -307,15 +323,7 @@ def main() -> None:
     print()
     print(f"median (range) of {args.repeat} runs per side, sides rotated")
     print()
-    print(f"| {'':48} | " + " | ".join(f"{HEADERS[s]:>21}" for s in sides) + " |")
-    print(f"| {'-' * 48} | " + " | ".join("-" * 21 for _ in sides) + " |")
-    for label, key, fmt in ROWS:
-        # A figure a run could not give (None: e.g. no failure signal when the lost
-        # replica left between two steps) is left out of its cell.
-        cells = [
-            _cell([r[key] for r in results[side] if r.get(key) is not None], fmt) for side in sides
-        ]
-        print(f"| {label:48} | " + " | ".join(f"{c:>21}" for c in cells) + " |")
+    print_table({HEADERS[side]: results[side] for side in sides})
     ray.shutdown()
     cluster.shutdown()
 

@@ -28,11 +28,10 @@ from typing import Any
 import httpx
 
 from bench.recovery import (
-    ROWS,
     JobEvents,
-    _cell,
     job_spec,
     metrics_records,
+    print_table,
     with_samples,
 )
 from bench.recovery_ray import BATCH, GROW_AT_STEP, KILL_AT_STEP, STEPS, WORKER_NODES
@@ -146,12 +145,7 @@ def main() -> None:
     print()
     print(f"median (range) of {args.repeat} runs per mode, on 3 nodes that are hosts")
     print()
-    print(f"| {'':48} | " + " | ".join(f"{HEADERS[m]:>21}" for m in MODES) + " |")
-    print(f"| {'-' * 48} | " + " | ".join("-" * 21 for _ in MODES) + " |")
-    for label, key, fmt in ROWS:
-        cells = [_cell([r[key] for r in results[m] if r.get(key) is not None], fmt) for m in MODES]
-        if any(c != "-" for c in cells):
-            print(f"| {label:48} | " + " | ".join(f"{c:>21}" for c in cells) + " |")
+    print_table({HEADERS[mode]: results[mode] for mode in MODES})
 
 
 if __name__ == "__main__":
