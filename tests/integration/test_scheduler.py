@@ -244,21 +244,20 @@ def test_quotas_hold_while_others_wait_and_idle_capacity_is_lent_then_taken_back
                 "waiting: alice's quota of 1 worker is in use"
             }
 
-            # Bob's job ends: its worker is idle, and lent to alice again.
+            # Bob's job ends: its worker is idle, and lent to alice again: one of her jobs
+            # sent back to the queue trains again (the job's state, not the scheduler's plan).
             bobs = [r["job_id"] for r in q["running"] if r["owner"] == "bob"]
             admin.post(f"/v1/jobs/{bobs[0]}/cancel")
-            wait_for(
-                lambda: (
-                    sum(
-                        r["size"]
-                        for r in admin.get("/v1/queue").json()["running"]
-                        if r["owner"] == "alice"
-                    )
-                    == 2
-                ),
+            again = wait_for(
+                lambda: [
+                    t for t, _ in taken if admin.get(f"/v1/jobs/{t}").json()["state"] == "running"
+                ],
                 120,
-                what="alice borrowing the worker bob's job left",
+                what="one of alice's jobs training again on the worker bob's job left",
             )
+            assert len(again) == 1, again
+            q = admin.get("/v1/queue").json()
+            assert sum(r["size"] for r in q["running"] if r["owner"] == "alice") == 2, q
         finally:
             for job in admin.get("/v1/jobs", params={"limit": 100}).json()["items"]:
                 if job["state"] not in ("succeeded", "failed", "cancelled"):
