@@ -8,7 +8,7 @@ with the ``alone`` tests last. The other worker takes the rest of the suite: fir
 tests that start a Ray or a service of their own, then the unit tests. Tests marked
 ``alone`` (and timed parts of tests, ``machine_share.alone()``) bound a pause or a
 shutdown: while one runs, the other worker's tests wait, so that it has the machine to
-itself. Measured on 2 cores (README, Tests): a serial run keeps the cores about
+itself. Measured on 2 cores (docs/testing.md): a serial run keeps the cores about
 two thirds busy; the two workers together keep them busier. A second cluster for the
 tests that only run jobs, on the other worker, was tried twice: with two clusters' jobs at
 once the pool's tests took 1.7 times as long and the whole suite longer.
