@@ -41,15 +41,11 @@ class CheckpointInfo:
     created_at: float
 
 
-class UnusableCheckpoint(Exception):
-    """A checkpoint that cannot be loaded."""
-
-
-class CorruptCheckpoint(UnusableCheckpoint):
+class CorruptCheckpoint(Exception):
     """Its parts do not match its manifest, or the manifest is unreadable."""
 
 
-class CheckpointGone(UnusableCheckpoint):
+class CheckpointGone(Exception):
     """It is no longer there: retention removed it (a newer one took its slot)."""
 
 

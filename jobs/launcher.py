@@ -27,7 +27,8 @@ SupervisorGone = RayActorError
 
 ACTOR_PREFIX = "etrain-supervisor-"
 # For a Ray instance the service starts itself (and the Helm chart's Ray, as environment
-# variables): a node that stops answering is declared dead after ~3 s, so elastic recovery
+# variables): a node that stops answering is declared dead after 3 s (its connections
+# refused) to 6 s (its packets dropped: each check waits out its 1 s), so elastic recovery
 # starts sooner. Ray's defaults (a check every 3 s, each waiting up to 10 s for its answer,
 # 5 missed) take 15 s for a node whose connections are refused, and about a minute for one
 # cut off (its packets dropped), where every check waits out its timeout.
