@@ -17,8 +17,9 @@ process in the root namespace, connected to the head, as an operator would run i
 
 Faults are injected per node: ``kill`` (SIGKILL of every process in the node's namespace),
 ``partition`` (both ways, or one way: the node hears its peers and they do not hear it; with
-nftables in the node's namespace, packets dropped, never refused) healed by ``heal``, and
-``freeze`` (every process SIGSTOPped) ended by ``thaw``.
+nftables in the node's namespace, packets dropped, never refused) and ``degrade`` (a share of
+its packets dropped at random) healed by ``heal``, and ``freeze`` (every process SIGSTOPped)
+ended by ``thaw``.
 Processes are found by namespace, never by name: other Ray clusters on the machine (the
 suite's pool, CI's) are never touched. Needs root, ``ip`` (iproute2) and ``unshare``;
 :func:`unavailable` says why a machine cannot, and the tests skip with that reason.
@@ -138,7 +139,23 @@ class Host:
         self._nft("\n".join(rules) + "\n")
         return time.time()
 
+    def degrade(self, percent: int) -> float:
+        """``percent`` % of the node's packets dropped at random, each way (a flaky link or
+        NIC: TCP's retransmits add latency spikes). ``heal`` ends it. Returns the time it took
+        effect."""
+        if not 0 < percent < 100:
+            raise ValueError(f"a share of packets is 1-99 %, not {percent}")
+        self._nft(
+            "add table inet etcut\n"
+            "add chain inet etcut out { type filter hook output priority 0; policy accept; }\n"
+            "add chain inet etcut in { type filter hook input priority 0; policy accept; }\n"
+            f'add rule inet etcut out oifname "eth0" numgen random mod 100 < {percent} drop\n'
+            f'add rule inet etcut in iifname "eth0" numgen random mod 100 < {percent} drop\n'
+        )
+        return time.time()
+
     def heal(self) -> None:
+        """The end of a partition or a degradation."""
         self._nft("delete table inet etcut\n")
 
     def freeze(self) -> float:

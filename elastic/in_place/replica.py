@@ -17,6 +17,7 @@ import ray
 from elastic.arrivals import Outbox
 from elastic.attempt_runner import resolve
 from elastic.checkpoints import CheckpointDir
+from elastic.in_place.heartbeats import ExtraHeartbeats
 from elastic.in_place.members import QuorumMembers, replica_id
 from elastic.in_place.orphan import die_with_parent
 from elastic.worker_config import WorkerConfig
@@ -88,7 +89,25 @@ def make_manager(
     manager._elastic_store = (store, listener)  # kept alive with the manager
     manager._client = QuorumMembers(manager._client)
     _forget_failed_quorums(manager)
+    _beat_over_more_connections(manager, store, lighthouse)
     return manager
+
+
+def _beat_over_more_connections(manager: Any, store: Any, lighthouse: str) -> None:
+    """Heartbeats over connections besides the Manager's (elastic/in_place/heartbeats.py),
+    for the id it registered; they stop when the Manager does: a replica that leaves must
+    go silent."""
+    from torchft.manager import REPLICA_ID_KEY
+
+    full_id = store.get(REPLICA_ID_KEY).decode()
+    beats = ExtraHeartbeats(lighthouse, full_id, HEARTBEAT_INTERVAL).start()
+    shutdown = manager.shutdown
+
+    def shutdown_and_go_silent(wait: bool = True) -> None:
+        beats.stop()
+        shutdown(wait=wait)
+
+    manager.shutdown = shutdown_and_go_silent
 
 
 def _forget_failed_quorums(manager: Any) -> None:
