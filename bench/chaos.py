@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 import torch
 
-from tests.conftest import all_events, longest_pause_after, wait_until_ended
+from tests.conftest import all_events, longest_pause_after, wait_for, wait_until_ended
 from tests.hosts import Host, HostCluster, service, unavailable
 from tests.integration.test_elastic import (
     BATCH,
@@ -119,6 +119,7 @@ def finish(api: httpx.Client, job_id: str, started: float, timeout_s: float) -> 
     ended = time.time()
     if done["state"] != "succeeded":
         raise SystemExit(f"job {job_id} ended {done['state']}: {done}")
+    print(f"  {job_id}: {done['step']} steps in {ended - started:.1f} s", flush=True)
     return Run(job_id, ended - started, all_events(api, job_id))
 
 
@@ -158,6 +159,9 @@ def mend(hosts: HostCluster, host: Host, fault: Fault) -> None:
         host.kill()
     fault.mended_at = time.time()
     if fault.kind != "degrade":
+        wait_for(lambda: not host.alive, timeout=30, what=f"host {host.index}'s end")
+        if host.proc is not None:
+            host.proc.wait(timeout=30)
         hosts.restore(NODES)
 
 
