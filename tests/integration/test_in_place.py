@@ -36,6 +36,7 @@ from tests.integration.test_elastic import (  # noqa: F401  (fixtures)
     pool,
     wait_until,
 )
+from tests.workloads.held_heal import parameters_digest
 
 pytestmark = [pytest.mark.ray, pytest.mark.alone]
 
@@ -368,9 +369,10 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
     pool: ClusterPool,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    """A node is lost, a node added back; while a survivor sends its state to the new
-    replica, the survivor's node dies too. The joiner never trains on a half-sent state:
-    it heals from the other survivor, and the job goes on without a restart, exact."""
+    """A node is lost, a node added back; a survivor sends its state to the new replica and
+    its node dies halfway, after the metadata and the first tensor. The joiner never trains
+    on the half-sent state: it heals from the other survivor, the job goes on without a
+    restart, exact, and every replica ends on the same parameters."""
     arm, release = tmp_path / "heal-arm", tmp_path / "heal-release"
     pace = tmp_path / "pace"
     spec = in_place_job(STEPS)
@@ -386,7 +388,7 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
 
     def sender() -> str | None:
         lines = api.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 5000}).json()["items"]
-        said = [x["line"] for x in lines if "[held-heal] sending state from node" in x["line"]]
+        said = [x["line"] for x in lines if "[held-heal] sent part of its state" in x["line"]]
         return said[0].rsplit(" ", 1)[1] if said else None
 
     node_id = wait_for(sender, 180, interval=0.1, what="a survivor sending its state")
@@ -405,3 +407,14 @@ def test_the_peer_sending_state_to_a_joiner_dies_and_the_joiner_heals_from_anoth
     assert [(x["from_world"], len(x["replicas"])) for x in losses] == [(3, 1), (2, 1)], losses
     assert losses[0]["to_world"] == 2 and losses[1]["to_world"] in (1, 2), losses
     assert_exact(api, job["id"], tmp_path / "checkpoints")
+    # The three replicas at the end (the survivor, the joiner that healed from it, and the
+    # last one added) hold the model the final checkpoint holds.
+    lines = api.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 5000}).json()["items"]
+    digests = [
+        x["line"].rsplit(" ", 1)[1] for x in lines if "[held-heal] final parameters" in x["line"]
+    ]
+    newest = api.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"][-1]
+    saved = torch.load(
+        tmp_path / "checkpoints" / job["id"] / newest["path"] / "state.pt", weights_only=True
+    )
+    assert digests == [parameters_digest(saved["model"].values())] * 3, digests

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from tests.conftest import (
     ClusterPool,
@@ -93,6 +94,7 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     # as in restart mode, so the scheduler measures the gain and gives them back.
     steps = LOW_STEPS[mode]
     low_spec = paced_job("low", steps, 0.45, True, priority="low", fault_tolerance=mode)
+    low_spec["hyperparameters"]["exact"] = True  # float64: compared with a run alone below
     low = api.post("/v1/jobs", json=low_spec).json()
     wait_until(
         api,
@@ -149,10 +151,19 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
         assert sizes(api, low["id"]) == [3]  # one attempt: the quorum went on through both
         worlds = [r["to_world"] for r in resized]
         assert worlds[0] == 1 and 3 in worlds, resized
+        # The two replicas left at a step boundary, told to (their slots drained): no step
+        # was thrown away and no loss came with the shrink.
+        shrink = resized[0]
+        assert (shrink["from_world"], shrink.get("reason"), shrink["steps_redone"]) == (
+            3,
+            "drain",
+            0,
+        ), shrink
+        lost = events(api, low["id"], "worker_lost")
+        assert [e for e in lost if e["data"]["step"] == shrink["step"]] == [], lost
         # Under the suite's load a replica was once late past the fence's heartbeat timeout
         # (0.3 s) while its peers were heard (CI, 2026-11-25): fenced, it is a loss and its
         # replacement joins if the job lasts. Every shrink after the scheduler's is a loss.
-        lost = events(api, low["id"], "worker_lost")
         shrinks = [r for r in resized[1:] if r["to_world"] < r["from_world"]]
         assert len(shrinks) <= len(lost), (resized, lost)
         if not lost:
@@ -165,6 +176,26 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     counted = count(tmp_path / "checkpoints" / low["id"])
     assert set(counted.values()) == {1}
     assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+    # And the model is the one the same job makes alone and unresized (its steps unpaced).
+    alone_spec = paced_job("alone", steps, 0.0, True, fault_tolerance=mode)
+    alone_spec["hyperparameters"]["exact"] = True
+    alone = api.post("/v1/jobs", json=alone_spec)
+    assert wait_until_ended(api, alone.json()["id"], timeout=240)["state"] == "succeeded"
+    assert sizes(api, alone.json()["id"]) == [3]
+    ours = final_parameters(api, low["id"], tmp_path / "checkpoints")
+    reference = final_parameters(api, alone.json()["id"], tmp_path / "checkpoints")
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert tensor.dtype == torch.float64
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def final_parameters(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:
+    """The parameters of the job's newest checkpoint (the paced workload's SGD has no
+    momentum, so no optimizer state)."""
+    newest = api.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"][-1]
+    state = torch.load(root / job_id / newest["path"] / "state.pt", weights_only=True)
+    return dict(state["model"])
 
 
 def test_quotas_hold_while_others_wait_and_idle_capacity_is_lent_then_taken_back(
