@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,15 +47,9 @@ import httpx
 import torch
 
 from tests.conftest import all_events, longest_pause_after, wait_for, wait_until_ended
-from tests.hosts import Host, HostCluster, service, unavailable
-from tests.integration.test_elastic import (
-    BATCH,
-    DATASET,
-    assert_every_sample_once,
-    elastic_job,
-    final_state,
-)
-from tests.integration.test_in_place import committed_samples
+from tests.hosts import Host, HostCluster, bench_cluster, service
+from tests.integration.test_elastic import BATCH, final_state
+from tests.integration.test_hosts import assert_samples_once, exact_job
 
 NODES = 3
 LOSSY_PERCENT = 2
@@ -64,12 +57,6 @@ CUT_S = 10.0  # how long a host stays cut off or frozen
 DEGRADE_S = 30.0  # how long a host drops packets, in the soak
 FAULTS = ("kill", "partition", "one-way partition", "freeze", "degrade")
 PROBE_STEPS = 40
-
-
-def soak_job(steps: int, mode: str) -> dict[str, Any]:
-    job = elastic_job(steps, every=20, fault_tolerance=mode)
-    job["hyperparameters"]["augment"] = "crop_flip"
-    return job
 
 
 def stamp(event: dict[str, Any]) -> float:
@@ -111,7 +98,7 @@ class Fault:
 
 def submit(api: httpx.Client, steps: int, mode: str) -> tuple[str, float]:
     started = time.time()
-    return api.post("/v1/jobs", json=soak_job(steps, mode)).json()["id"], started
+    return api.post("/v1/jobs", json=exact_job(steps, fault_tolerance=mode)).json()["id"], started
 
 
 def finish(api: httpx.Client, job_id: str, started: float, timeout_s: float) -> Run:
@@ -189,14 +176,8 @@ def soak(
 
 def every_sample_once(run: Run, root: Path, steps: int, mode: str) -> str:
     """'yes' when every sample of every epoch went into the model once, else what differs."""
-    job_root = root / run.job_id
     try:
-        if mode == "in_place":
-            counted = committed_samples(job_root)
-            assert set(counted.values()) == {1}, "a sample trained twice"
-            assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
-        else:
-            assert_every_sample_once(job_root, steps)
+        assert_samples_once(root / run.job_id, steps, mode)
     except AssertionError as e:
         return f"no ({e})"
     return "yes"
@@ -218,14 +199,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=["in_place", "restart"], default="in_place")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    why = unavailable()
-    if why is not None:
-        parser.exit(2, f"this machine cannot make hosts: {why}\n")
-    work = Path(tempfile.mkdtemp(prefix="etrain-bench-chaos-"))
-    (work / "cluster").mkdir()
-    (work / "service").mkdir()
+    work, hosts = bench_cluster(parser, "etrain-bench-chaos-")
     root = work / "service" / "checkpoints"
-    hosts = HostCluster(work / "cluster")
     try:
         hosts.start(NODES)
         with service(hosts, work / "service") as api:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +35,7 @@ from bench.recovery import (
 )
 from bench.recovery_ray import BATCH, GROW_AT_STEP, KILL_AT_STEP, STEPS, WORKER_NODES
 from bench.recovery_records import StepRecord, summarize
-from tests.hosts import HostCluster, service, unavailable
+from tests.hosts import HostCluster, bench_cluster, service
 
 MODES = ["restart", "in_place"]
 HEADERS = {"restart": "ours, restart", "in_place": "ours, in_place"}
@@ -123,13 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each mode (>= 3)")
     args = parser.parse_args()
-    why = unavailable()
-    if why is not None:
-        parser.exit(2, f"this machine cannot make hosts: {why}\n")
-    work = Path(tempfile.mkdtemp(prefix="etrain-bench-hosts-"))
-    (work / "cluster").mkdir()
-    (work / "service").mkdir()
-    hosts = HostCluster(work / "cluster")
+    work, hosts = bench_cluster(parser, "etrain-bench-hosts-")
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     try:
         hosts.start(WORKER_NODES)

@@ -27,6 +27,7 @@ suite's pool, CI's) are never touched. Needs root, ``ip`` (iproute2) and ``unsha
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -386,6 +387,18 @@ class HostCluster:
         subprocess.run(["ip", "link", "delete", self.bridge], capture_output=True)
         if self.temp:
             shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def bench_cluster(parser: argparse.ArgumentParser, prefix: str) -> tuple[Path, HostCluster]:
+    """For a bench: exits saying why when this machine cannot make hosts; else a fresh work
+    directory (with ``cluster/`` and ``service/``) and its cluster, not started."""
+    why = unavailable()
+    if why is not None:
+        parser.exit(2, f"this machine cannot make hosts: {why}\n")
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    (work / "cluster").mkdir()
+    (work / "service").mkdir()
+    return work, HostCluster(work / "cluster")
 
 
 def _fast_failure_detection() -> str:

@@ -179,8 +179,8 @@ CUT_PAUSE_BOUND_S = {"in_place": 1.5, "restart": 30.0}
 _uninterrupted: dict[str, torch.Tensor] = {}
 
 
-def exact_job(**spec: Any) -> dict[str, Any]:
-    job = elastic_job(CUT_STEPS, every=20, **spec)
+def exact_job(steps: int = CUT_STEPS, **spec: Any) -> dict[str, Any]:
+    job = elastic_job(steps, every=20, **spec)
     job["hyperparameters"]["augment"] = "crop_flip"
     return job
 
@@ -279,14 +279,7 @@ def assert_exact(
 ) -> None:
     """Every sample of every epoch trained once, and the final float64 parameters and
     momentum buffers those of the uninterrupted run."""
-    job_root = root / job_id
-    if mode == "in_place":
-        # Every replica's record of a committed step agrees (committed_samples checks).
-        counted = committed_samples(job_root)
-        assert set(counted.values()) == {1}
-        assert len(counted) == CUT_STEPS * BATCH - (CUT_STEPS // 16) * (16 * BATCH - DATASET)
-    else:
-        assert_every_sample_once(job_root, CUT_STEPS)
+    assert_samples_once(root / job_id, CUT_STEPS, mode)
     ours = final_state(api, job_id, root)
     assert ours.keys() == reference.keys()
     for name, tensor in reference.items():
@@ -332,3 +325,14 @@ def test_a_lossy_host_is_never_taken_for_a_lost_one(
         e["data"] for e in events if e["kind"] in ("worker_lost", "resized")
     ]
     assert_exact(api, root, job["id"], mode, reference)
+
+
+def assert_samples_once(job_root: Path, steps: int, mode: str) -> None:
+    """Every sample of every epoch the job's ``steps`` covered went into the model once."""
+    if mode == "in_place":
+        # Every replica's record of a committed step agrees (committed_samples checks).
+        counted = committed_samples(job_root)
+        assert set(counted.values()) == {1}, "a sample trained twice"
+        assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
+    else:
+        assert_every_sample_once(job_root, steps)
