@@ -49,6 +49,8 @@ from tests.ray_head import served
 
 RAY = str(Path(sys.executable).with_name("ray"))
 NODE_START_TRIES = 3
+# A driver that lists the nodes waits for the GCS with no bound of its own.
+NODE_LIST_TIMEOUT_S = 60
 
 
 def as_host(name: str, hosts_file: Path, own: tuple[Path, str] | None = None) -> list[str]:
@@ -256,7 +258,8 @@ class HostCluster:
     def _head_alive(self) -> bool:
         assert self.head_proc is not None
         if self.head_proc.poll() is not None:
-            raise AssertionError((self.work / "head.log").read_text()[-3000:])
+            log = (self.work / "head.log").read_text()
+            raise AssertionError(f"the Ray head has died:\n{log[-3000:]}")
         return True
 
     def add_node(self, num_cpus: int = 1) -> Host:
@@ -352,16 +355,25 @@ class HostCluster:
         )
 
     def node_ids(self) -> list[str]:
-        """The alive nodes other than the head, as the GCS lists them."""
+        """The alive nodes other than the head, as the GCS lists them. A head that has died
+        fails the caller at once, with its log's end (a driver would wait for it forever)."""
+        self._head_alive()
         code = (
             "import json, ray\n"
             f"ray.init(address='{self.address}', log_to_driver=False)\n"
             "print('nodes:', json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']"
             f" and n['NodeManagerAddress'] != '{self.head_address}']))\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=node_env(), capture_output=True, text=True
-        )
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", code],
+                env=node_env(),
+                capture_output=True,
+                text=True,
+                timeout=NODE_LIST_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            return []
         # Ray may print lines of its own (a raylet's message from the driver's cluster).
         found = [line for line in out.stdout.splitlines() if line.startswith("nodes: ")]
         if out.returncode != 0 or not found:
