@@ -39,14 +39,20 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
-from tests.conftest import all_events, longest_pause_after, wait_for, wait_until_ended
+from bench.recovery import stamp
+from tests.conftest import (
+    TERMINAL,
+    all_events,
+    longest_pause_after,
+    wait_for,
+    wait_until_ended,
+)
 from tests.hosts import Host, HostCluster, bench_cluster, service
 from tests.integration.test_elastic import BATCH, final_state
 from tests.integration.test_hosts import assert_samples_once, exact_job
@@ -57,10 +63,6 @@ CUT_S = 10.0  # how long a host stays cut off or frozen
 DEGRADE_S = 30.0  # how long a host drops packets, in the soak
 FAULTS = ("kill", "partition", "one-way partition", "freeze", "degrade")
 PROBE_STEPS = 40
-
-
-def stamp(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(event["time"]).timestamp()
 
 
 @dataclass
@@ -93,7 +95,6 @@ class Fault:
     kind: str
     host: int
     at: float
-    mended_at: float | None = None
 
 
 def submit(api: httpx.Client, steps: int, mode: str) -> tuple[str, float]:
@@ -117,11 +118,10 @@ def first_step_at(api: httpx.Client, job_id: str) -> float:
 
 
 def ended(api: httpx.Client, job_id: str) -> bool:
-    state = api.get(f"/v1/jobs/{job_id}").json()["state"]
-    return state in ("succeeded", "failed", "cancelled")
+    return api.get(f"/v1/jobs/{job_id}").json()["state"] in TERMINAL
 
 
-def inject(hosts: HostCluster, host: Host, kind: str) -> Fault:
+def inject(host: Host, kind: str) -> Fault:
     if kind == "kill":
         return Fault(kind, host.index, host.kill())
     if kind == "freeze":
@@ -144,7 +144,6 @@ def mend(hosts: HostCluster, host: Host, fault: Fault) -> None:
         else:
             host.heal()
         host.kill()
-    fault.mended_at = time.time()
     if fault.kind != "degrade":
         wait_for(lambda: not host.alive, timeout=30, what=f"host {host.index}'s end")
         if host.proc is not None:
@@ -166,7 +165,7 @@ def soak(
             break
         kind = rng.choice(FAULTS)
         host = rng.choice(hosts.alive())
-        fault = inject(hosts, host, kind)
+        fault = inject(host, kind)
         print(f"  {fault.at - started:6.1f} s: {kind} of host {host.index}", flush=True)
         faults.append(fault)
         mend(hosts, host, fault)
@@ -267,7 +266,6 @@ def report(
     print("| run | wall (s) | samples/s | false recoveries | goodput | samples once, model diff |")
     print("|---|---|---|---|---|---|")
     for name, run in (("clean", clean), ("lossy", lossy), ("soak", chaos)):
-        false = len(run.losses()) if name == "lossy" else 0
         goodput = clean.wall_s / run.wall_s
         same = every_sample_once(run, root, steps, args.mode)
         same += f", {differences.get(name, 0.0):.1e}"
@@ -275,7 +273,7 @@ def report(
             name,
             f"{run.wall_s:.0f}",
             f"{run.samples_per_s():.1f}",
-            str(false) if name == "lossy" else "-",
+            str(len(run.losses())) if name == "lossy" else "-",
             f"{goodput:.2f}",
             same,
         ]

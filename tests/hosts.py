@@ -124,38 +124,36 @@ class Host:
             capture_output=True,
         )
 
+    def _drop(self, inbound: bool, share: str = "") -> float:
+        """Packets leaving by the node's link dropped (``share``: an nftables condition that
+        picks which), and with ``inbound`` those arriving too; ``heal`` ends it. Returns the
+        time it took effect."""
+        rules = [
+            "add table inet etcut",
+            "add chain inet etcut out { type filter hook output priority 0; policy accept; }",
+            f'add rule inet etcut out oifname "eth0" {share}drop',
+        ]
+        if inbound:
+            rules += [
+                "add chain inet etcut in { type filter hook input priority 0; policy accept; }",
+                f'add rule inet etcut in iifname "eth0" {share}drop',
+            ]
+        self._nft("\n".join(rules) + "\n")
+        return time.time()
+
     def partition(self, one_way: bool = False) -> float:
         """Cut from every peer: nothing it sends leaves it and nothing sent to it arrives;
         ``one_way``: it still hears its peers, and they do not hear it. Packets are dropped,
         not refused (no reset: its peers' connections hang, as across a cut link). Returns
         the time the cut took effect."""
-        rules = [
-            "add table inet etcut",
-            "add chain inet etcut out { type filter hook output priority 0; policy accept; }",
-            'add rule inet etcut out oifname "eth0" drop',
-        ]
-        if not one_way:
-            rules += [
-                "add chain inet etcut in { type filter hook input priority 0; policy accept; }",
-                'add rule inet etcut in iifname "eth0" drop',
-            ]
-        self._nft("\n".join(rules) + "\n")
-        return time.time()
+        return self._drop(inbound=not one_way)
 
     def degrade(self, percent: int) -> float:
         """``percent`` % of the node's packets dropped at random, each way (a flaky link or
-        NIC: TCP's retransmits add latency spikes). ``heal`` ends it. Returns the time it took
-        effect."""
+        NIC: TCP's retransmits add latency spikes). Returns the time it took effect."""
         if not 0 < percent < 100:
             raise ValueError(f"a share of packets is 1-99 %, not {percent}")
-        self._nft(
-            "add table inet etcut\n"
-            "add chain inet etcut out { type filter hook output priority 0; policy accept; }\n"
-            "add chain inet etcut in { type filter hook input priority 0; policy accept; }\n"
-            f'add rule inet etcut out oifname "eth0" numgen random mod 100 < {percent} drop\n'
-            f'add rule inet etcut in iifname "eth0" numgen random mod 100 < {percent} drop\n'
-        )
-        return time.time()
+        return self._drop(inbound=True, share=f"numgen random mod 100 < {percent} ")
 
     def heal(self) -> None:
         """The end of a partition or a degradation."""

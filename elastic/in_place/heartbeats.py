@@ -62,7 +62,7 @@ class ExtraHeartbeats:
         return self
 
     def stop(self) -> None:
-        """No beat is sent after this returns (a beat in flight may still arrive)."""
+        """Each connection ends after the beat it may be sending now."""
         self.stopped.set()
 
     def _beat(self, offset_s: float) -> None:
