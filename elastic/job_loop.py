@@ -98,6 +98,8 @@ class JobLoop:
         self.cancelled = False
         self.waiting_for: str | None = None
         self._claim_settled = False
+        # Since when a grow the scheduler decided has found only part of its workers free.
+        self._short_grow_since: float | None = None
         # A drain notice for nodes of the running attempt: (attempt number, those nodes).
         # The attempt pauses at its next checkpoint and the job goes on without them.
         self.draining: tuple[int, frozenset[str]] | None = None
@@ -519,7 +521,16 @@ class JobLoop:
         )
         target = grow_target(attempt.world_size, most, free)
         if target is None or attempt.shrink is not None:
+            self._short_grow_since = None
             return
+        if target < most:
+            # Another job's workers go back to Ray one by one: a moment's wait grows this job
+            # in one pause (a restart) rather than two, seconds apart.
+            now = time.monotonic()
+            self._short_grow_since = self._short_grow_since or now
+            if now - self._short_grow_since < self.timing.release_wait_s:
+                return
+        self._short_grow_since = None
         extra = target - attempt.world_size
         reservation = await self.capacity.reserve(
             extra, self.plan.resources_per_worker, self.timing.reserve_s

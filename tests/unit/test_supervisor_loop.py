@@ -813,6 +813,44 @@ def test_a_start_planned_larger_than_what_is_free_waits_a_moment_for_workers_han
     run(body)
 
 
+def test_a_grow_whose_workers_come_back_a_moment_apart_is_one_pause() -> None:
+    """The scheduler grows a job from 1 to 3 as another job's two workers go back to Ray
+    one by one: it waits a moment for the second and grows once, to 3; when the second is
+    not back within the release wait, it grows to what is free."""
+
+    async def grow(second_back: bool, grown_to: int) -> None:
+        cluster = FakeCluster(3)
+        cluster.take("n1")  # the other job's two workers
+        cluster.take("n2")
+        decide(cluster, 1, Change.START, "started")
+        timing = dataclasses.replace(FAST, release_wait_s=1.0 if second_back else 0.2)
+        h = Harness(cluster, timing=timing)
+        h.start()
+        await h.workers_start(1, step=1)
+        assert h.runner.specs[0].world_size == 1
+        decide(cluster, 3, Change.GROW, "grew into idle capacity")
+        cluster.give("n1")
+        if second_back:
+            await asyncio.sleep(0.3)
+            assert h.loop.reservation is None  # no pause for one worker of the two
+            cluster.give("n2")
+        await h.until(lambda: h.loop.reservation is not None, "a reservation")
+        (told,) = h.of("scheduled")
+        assert (told["from_world"], told["to_world"]) == (1, grown_to)
+        h.saved(1, 10)
+        assert h.loop.should_pause(1, 10)
+        h.runner.end(AttemptOutcome())
+        assert (await h.attempt(2)).world_size == grown_to
+        assert h.loop.cancel("done") == "cancelled"
+        await h.finish()
+
+    async def body() -> None:
+        await grow(True, 3)
+        await grow(False, 2)
+
+    run(body)
+
+
 def test_the_scheduler_shrinks_a_running_job_at_its_next_step_without_redoing_one() -> None:
     async def body() -> None:
         cluster = FakeCluster(3)
