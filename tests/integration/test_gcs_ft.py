@@ -13,56 +13,31 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import all_events, free_port, small_job, wait_for
+from tests.gcs import (
+    NO_REDIS,
+    fault_tolerant_env,
+    forget,
+    in_sessions,
+    kill_gcs,
+    program_in,
+    redis,
+    redis_answers,
+)
 from tests.ray_head import clean_env, head_command, serve_env, served
 
-REDIS = ("127.0.0.1", 6379)
 ROOT = Path(__file__).resolve().parents[2]
 TERMINAL = {"succeeded", "failed", "cancelled"}
-
-
-def _redis(*args: str) -> bytes:
-    """One command's raw reply (RESP) from the Redis at REDIS."""
-    request = f"*{len(args)}\r\n" + "".join(f"${len(a.encode())}\r\n{a}\r\n" for a in args)
-    with socket.create_connection(REDIS, timeout=2) as conn:
-        conn.sendall(request.encode())
-        reply = b""
-        while not reply.endswith(b"\r\n"):
-            chunk = conn.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-        return reply
-
-
-def _redis_answers() -> bool:
-    try:
-        return _redis("PING") == b"+PONG\r\n"
-    except OSError:
-        return False
-
-
-def _session(sid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    found.append(int(entry.name))
-            except (ProcessLookupError, PermissionError):
-                continue
-    return found
 
 
 @dataclass
@@ -71,36 +46,28 @@ class Head:
     namespace: str
     sessions: list[int]
 
-    def gcs_pid(self) -> int:
-        for pid in (p for sid in self.sessions for p in _session(sid)):
-            try:
-                argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                continue
-            if argv0.endswith(b"/gcs_server"):
-                return pid
-        raise AssertionError("the head has no gcs_server process")
+    def gcs_pid(self) -> int | None:
+        return program_in(self.sessions, "gcs_server")
 
 
 @pytest.fixture(scope="module")
 def redis_head() -> Iterator[Head]:
     """A Ray head (not blocking: `ray start --block` kills the whole head when one of its
     processes dies) whose GCS keeps its state in Redis."""
-    if not _redis_answers():
-        pytest.skip(
-            "GCS fault tolerance needs a Redis on 127.0.0.1:6379 (the development and CI "
-            "machines run one); none answers here"
-        )
+    if not redis_answers():
+        pytest.skip(NO_REDIS)
     namespace = f"etrain-gcsft-{uuid.uuid4().hex[:12]}"
     port = free_port()
     temp = tempfile.mkdtemp(prefix="egcs-", dir="/tmp")  # Ray's socket paths must be short
-    env = clean_env() | {
-        "RAY_REDIS_ADDRESS": f"{REDIS[0]}:{REDIS[1]}",
-        "RAY_external_storage_namespace": namespace,
-        # `ray start` turns token auth on by itself when ~/.ray/auth_token exists (any earlier
-        # `ray get-auth-token --generate` leaves one); this head is about GCS FT only.
-        "RAY_AUTH_MODE": "disabled",
-    }
+    env = (
+        clean_env()
+        | fault_tolerant_env(namespace)
+        | {
+            # `ray start` turns token auth on by itself when ~/.ray/auth_token exists (any
+            # earlier `ray get-auth-token --generate` leaves one); this head is about GCS FT.
+            "RAY_AUTH_MODE": "disabled",
+        }
+    )
     start = subprocess.Popen(
         head_command(port, temp, block=False),
         env=env,
@@ -114,52 +81,12 @@ def redis_head() -> Iterator[Head]:
         yield head
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in (p for sid in head.sessions for p in _session(sid)):
+            for pid in in_sessions(head.sessions):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             time.sleep(1)
-        from ray._private.gcs_utils import cleanup_redis_storage
-
-        cleanup_redis_storage(REDIS[0], REDIS[1], "", False, namespace)
         shutil.rmtree(temp, ignore_errors=True)
-        assert _redis("KEYS", f"*{namespace}*") == b"*0\r\n"
-
-
-def _kill_gcs(head: Head) -> Callable[[], int]:
-    """SIGKILL the head's GCS; returns what starts it again as it was started (same program,
-    arguments, environment and working directory) and gives the new process's pid."""
-    pid = head.gcs_pid()
-    proc = Path(f"/proc/{pid}")
-    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
-    env = dict(
-        item.decode().split("=", 1)
-        for item in (proc / "environ").read_bytes().split(b"\0")
-        if b"=" in item
-    )
-    cwd = os.readlink(proc / "cwd")
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not Path(f"/proc/{pid}").exists() or _zombie(pid), 30, what="the GCS to die")
-
-    def start_again() -> int:
-        again = subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        head.sessions.append(again.pid)
-        return again.pid
-
-    return start_again
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+        forget(namespace)
 
 
 def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: Path) -> None:
@@ -172,10 +99,10 @@ def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: P
             what="the job to train a while",
         )
         # The GCS's state is in Redis, under this head's namespace.
-        keys = _redis("KEYS", f"*{redis_head.namespace}*")
+        keys = redis("KEYS", f"*{redis_head.namespace}*")
         assert keys.startswith(b"*") and keys != b"*0\r\n", keys
         (head_node,) = [n["node_id"] for n in api.get("/v1/cluster").json()["nodes"]]
-        start_gcs = _kill_gcs(redis_head)
+        start_gcs = kill_gcs(redis_head.sessions)
         at_kill = api.get(f"/v1/jobs/{job_id}").json()
         assert at_kill["state"] == "running" and at_kill["step"] < 150, at_kill
         # With no GCS, the job trains on and the service still collects its steps (they
