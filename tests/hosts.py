@@ -15,6 +15,10 @@ root network namespace on the bridge's address, with a host name of its own that
 to 127.0.1.1 there and to nothing on the nodes. The service (``etrain serve``) is a separate
 process in the root namespace, connected to the head, as an operator would run it.
 
+Where a Redis answers (``redis_namespace``), the head keeps its GCS's state there (Ray's GCS
+fault tolerance) and ``kill_gcs`` SIGKILLs the GCS and gives what starts it again on the
+head's host: the head's loss is a fault too.
+
 Faults are injected per node: ``kill`` (SIGKILL of every process in the node's namespace),
 ``partition`` (both ways, or one way: the node hears its peers and they do not hear it; with
 nftables in the node's namespace, packets dropped, never refused) and ``degrade`` (a share of
@@ -38,13 +42,14 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from tests.conftest import TOKEN, free_port, wait_for
+from tests.gcs import fault_tolerant_env, forget, in_sessions, kill_gcs, program_in
 from tests.ray_head import served
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -185,6 +190,11 @@ class HostCluster:
     head_hostname: str = "etrain-head"
     port: int = 0
     temp: str = ""
+    # With a Redis namespace, the head's GCS keeps its state in Redis (GCS fault tolerance)
+    # and the head is started without --block (which would take the whole head down with
+    # its GCS): its processes are found by their session.
+    redis_namespace: str | None = None
+    head_sessions: list[int] = field(default_factory=list)
 
     @property
     def bridge(self) -> str:
@@ -225,7 +235,7 @@ class HostCluster:
             RAY,
             "start",
             "--head",
-            "--block",
+            *([] if self.redis_namespace else ["--block"]),
             f"--port={self.port}",
             f"--node-ip-address={self.head_address}",
             "--num-cpus=0",
@@ -235,13 +245,17 @@ class HostCluster:
         ]
         hosts = self._hosts_file("head", self.head_hostname)
         log = (self.work / "head.log").open("wb")
+        env = node_env()
+        if self.redis_namespace:
+            env |= fault_tolerant_env(self.redis_namespace)
         self.head_proc = subprocess.Popen(
             [*as_host(self.head_hostname, hosts), *command],
-            env=node_env(),
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self.head_sessions = [self.head_proc.pid]
         probe = [sys.executable, "-c", f"import ray; ray.init(address='{self.address}')"]
         wait_for(
             lambda: (
@@ -255,10 +269,28 @@ class HostCluster:
 
     def _head_alive(self) -> bool:
         assert self.head_proc is not None
-        if self.head_proc.poll() is not None:
+        returned = self.head_proc.poll()
+        if self.redis_namespace:
+            # `ray start` returns once the head runs; the head is its GCS.
+            dead = returned not in (None, 0) or (
+                returned == 0 and program_in(self.head_sessions, "gcs_server") is None
+            )
+        else:
+            dead = returned is not None
+        if dead:
             log = (self.work / "head.log").read_text()
             raise AssertionError(f"the Ray head has died:\n{log[-3000:]}")
         return True
+
+    def kill_gcs(self) -> Callable[[], int]:
+        """SIGKILL the head's GCS (its state is in Redis); returns what starts it again, as
+        it was and on the head's host (its host name and hosts file), giving its pid."""
+        if not self.redis_namespace:
+            raise RuntimeError("a head without GCS fault tolerance does not survive its GCS")
+        raylet = program_in(self.head_sessions, "raylet")
+        assert raylet is not None, "the head has no raylet"
+        within = ["nsenter", f"--target={raylet}", "--uts", "--mount"]
+        return kill_gcs(self.head_sessions, within)
 
     def add_node(self, num_cpus: int = 1) -> Host:
         """A worker node in namespaces of its own, joined to the head."""
@@ -389,6 +421,13 @@ class HostCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.head_proc.pid, signal.SIGKILL)
                 self.head_proc.wait()
+        if self.redis_namespace:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                for pid in in_sessions(self.head_sessions):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                time.sleep(1)
+            forget(self.redis_namespace)
         for host in self.hosts:
             if host.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
