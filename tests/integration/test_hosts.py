@@ -220,6 +220,7 @@ def mend(host: Host, fault: str) -> None:
         ("in_place", "freeze"),
         ("restart", "partition"),
         ("restart", "one-way partition"),
+        ("restart", "freeze"),
     ],
 )
 def test_a_host_cut_off_then_back_never_splits_the_job(
