@@ -11,7 +11,8 @@ import os
 import signal
 import socket
 import subprocess
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.conftest import wait_for
@@ -94,29 +95,34 @@ def zombie(pid: int) -> bool:
         return True
 
 
-def kill_gcs(sessions: list[int], within: list[str] = []) -> Callable[[], int]:  # noqa: B006
-    """SIGKILL the GCS of the head whose processes are in ``sessions``; returns what starts
-    it again as it was started (same program, arguments, environment and working
-    directory, run under the command prefix ``within``) and gives the new pid, whose
-    session joins ``sessions``."""
-    pid = program_in(sessions, "gcs_server")
-    assert pid is not None, "the head has no gcs_server process"
-    proc = Path(f"/proc/{pid}")
-    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
-    env = dict(
-        item.decode().split("=", 1)
-        for item in (proc / "environ").read_bytes().split(b"\0")
-        if b"=" in item
-    )
-    cwd = os.readlink(proc / "cwd")
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not Path(f"/proc/{pid}").exists() or zombie(pid), 30, what="the GCS to die")
+@dataclass(frozen=True)
+class GcsCommand:
+    """How a GCS process was started: program and arguments, environment, directory."""
 
-    def start_again() -> int:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+
+    @classmethod
+    def of(cls, pid: int) -> GcsCommand:
+        proc = Path(f"/proc/{pid}")
+        return cls(
+            [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]],
+            dict(
+                item.decode().split("=", 1)
+                for item in (proc / "environ").read_bytes().split(b"\0")
+                if b"=" in item
+            ),
+            os.readlink(proc / "cwd"),
+        )
+
+    def start(self, sessions: list[int], within: Sequence[str] = ()) -> int:
+        """Start it again, under the command prefix ``within``; its session joins
+        ``sessions``. Returns its pid."""
         again = subprocess.Popen(
-            [*within, *argv],
-            env=env,
-            cwd=cwd,
+            [*within, *self.argv],
+            env=self.env,
+            cwd=self.cwd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -124,4 +130,14 @@ def kill_gcs(sessions: list[int], within: list[str] = []) -> Callable[[], int]: 
         sessions.append(again.pid)
         return again.pid
 
-    return start_again
+
+def kill_gcs(sessions: list[int], within: Sequence[str] = ()) -> Callable[[], int]:
+    """SIGKILL the GCS of the head whose processes are in ``sessions``; returns what starts
+    it again as it was started (:class:`GcsCommand`, under the command prefix ``within``)
+    and gives the new pid."""
+    pid = program_in(sessions, "gcs_server")
+    assert pid is not None, "the head has no gcs_server process"
+    command = GcsCommand.of(pid)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or zombie(pid), 30, what="the GCS to die")
+    return lambda: command.start(sessions, within)

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import TOKEN, free_port, wait_for
-from tests.gcs import fault_tolerant_env, forget, in_sessions, kill_gcs, program_in
+from tests.gcs import GcsCommand, fault_tolerant_env, forget, in_sessions, kill_gcs, program_in
 from tests.ray_head import served
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -195,6 +196,8 @@ class HostCluster:
     # its GCS): its processes are found by their session.
     redis_namespace: str | None = None
     head_sessions: list[int] = field(default_factory=list)
+    _gcs: GcsCommand | None = None
+    _gcs_killed: bool = False
 
     @property
     def bridge(self) -> str:
@@ -266,14 +269,20 @@ class HostCluster:
             interval=1,
             what=f"the Ray head at {self.address} to accept a driver",
         )
+        if self.redis_namespace:
+            gcs = program_in(self.head_sessions, "gcs_server")
+            assert gcs is not None
+            self._gcs = GcsCommand.of(gcs)
 
     def _head_alive(self) -> bool:
         assert self.head_proc is not None
         returned = self.head_proc.poll()
         if self.redis_namespace:
-            # `ray start` returns once the head runs; the head is its GCS.
+            # `ray start` returns once the head runs; then the head is its raylet and its
+            # GCS, which is started again when it died (its state is in Redis).
             dead = returned not in (None, 0) or (
-                returned == 0 and program_in(self.head_sessions, "gcs_server") is None
+                returned == 0
+                and (program_in(self.head_sessions, "raylet") is None or not self._revive_gcs())
             )
         else:
             dead = returned is not None
@@ -282,15 +291,43 @@ class HostCluster:
             raise AssertionError(f"the Ray head has died:\n{log[-3000:]}")
         return True
 
-    def kill_gcs(self) -> Callable[[], int]:
-        """SIGKILL the head's GCS (its state is in Redis); returns what starts it again, as
-        it was and on the head's host (its host name and hosts file), giving its pid."""
-        if not self.redis_namespace:
-            raise RuntimeError("a head without GCS fault tolerance does not survive its GCS")
+    def _on_head(self) -> list[str]:
+        """The command prefix that runs a command on the head's host (its host name and
+        hosts file), as its raylet runs."""
         raylet = program_in(self.head_sessions, "raylet")
         assert raylet is not None, "the head has no raylet"
-        within = ["nsenter", f"--target={raylet}", "--uts", "--mount"]
-        return kill_gcs(self.head_sessions, within)
+        return ["nsenter", f"--target={raylet}", "--uts", "--mount"]
+
+    def kill_gcs(self) -> Callable[[], int]:
+        """SIGKILL the head's GCS (its state is in Redis); returns what starts it again, as
+        it was and on the head's host, giving its pid."""
+        if not self.redis_namespace:
+            raise RuntimeError("a head without GCS fault tolerance does not survive its GCS")
+        self._gcs_killed = True
+        start = kill_gcs(self.head_sessions, self._on_head())
+
+        def start_again() -> int:
+            self._gcs_killed = False
+            return start()
+
+        return start_again
+
+    def _revive_gcs(self) -> bool:
+        """A GCS that died of itself is started again, as a head pod's restart policy does
+        with GCS fault tolerance, and said loudly (a partition healed after Ray declared the
+        node dead was once seen to abort Ray's GCS: ``pure virtual method called``). False
+        when it is down because a test killed it."""
+        if program_in(self.head_sessions, "gcs_server") is not None:
+            return True
+        if self._gcs_killed or self._gcs is None:
+            return False
+        log = Path(self.temp) / "session_latest" / "logs" / "gcs_server.out"
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+        warnings.warn(
+            f"the hosts bed's GCS died and is started again; its log ends:\n{tail}", stacklevel=2
+        )
+        self._gcs.start(self.head_sessions, self._on_head())
+        return True
 
     def add_node(self, num_cpus: int = 1) -> Host:
         """A worker node in namespaces of its own, joined to the head."""
