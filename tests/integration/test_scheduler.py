@@ -95,47 +95,40 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     steps = LOW_STEPS[mode]
     low_spec = paced_job("low", steps, 0.45, True, priority="low", fault_tolerance=mode)
     low_spec["hyperparameters"]["exact"] = True  # float64: compared with a run alone below
-    low = api.post("/v1/jobs", json=low_spec).json()
-    wait_until(
-        api,
-        low["id"],
-        lambda j: j["state"] == "running" and j["world_size"] == 3 and j["step"] >= 20,
-        120,
-        "the low job training on the whole pool",
-    )
+    low = start_on_the_whole_pool(api, low_spec, 20)
     high_spec = paced_job("high", 30, 0.02, True, priority="high")
     high_spec["scaling"] |= {"min_workers": 2, "max_workers": 2}
     submitted = time.monotonic()
     high = api.post("/v1/jobs", json=high_spec).json()
     wait_for(
-        lambda: any(d["to_world"] == 1 for d in scheduled(api, low["id"])),
+        lambda: any(d["to_world"] == 1 for d in scheduled(api, low)),
         30,
         what="the low job told to shrink",
     )
     wait_until(api, high["id"], lambda j: j["state"] == "running", 60, "the high job running")
     started_in = time.monotonic() - submitted
     assert wait_until_ended(api, high["id"])["state"] == "succeeded"
-    done = wait_until_ended(api, low["id"], timeout=240)
+    done = wait_until_ended(api, low, timeout=240)
 
     assert done["state"] == "succeeded" and done["step"] == steps
     assert sizes(api, high["id"]) == [2]
     # A state change's reason says what went wrong when the job recovered after all.
-    changes = state_changes(api, low["id"])
+    changes = state_changes(api, low)
     assert [state for state, _ in changes] == ["queued", "starting", "running", "succeeded"], (
         changes
     )
     why_shrunk = f"shrunk for job {high['id']} (priority 100)"
-    told = scheduled(api, low["id"])
+    told = scheduled(api, low)
     # Back to 3 at once (a grow waits a moment for workers handed back to Ray one by one),
     # or in two steps when the second came back later still: 1 -> 2 -> 3.
     back = [(d["from_world"], d["to_world"]) for d in told[1:]]
-    assert back in ([(1, 3)], [(1, 2), (2, 3)]), (told, events(api, low["id"], "resized"))
+    assert back in ([(1, 3)], [(1, 2), (2, 3)]), (told, events(api, low, "resized"))
     assert (told[0]["change"], told[0]["from_world"], told[0]["to_world"]) == ("shrink", 3, 1)
     assert (told[0]["reason"], told[0]["for_job"]) == (why_shrunk, high["id"])
     assert {(d["change"], d["reason"]) for d in told[1:]} == {("grow", "grew into idle capacity")}
-    resized = [e["data"] for e in events(api, low["id"], "resized")]
+    resized = [e["data"] for e in events(api, low, "resized")]
     if mode == "restart":
-        assert sizes(api, low["id"]) == [3, 1, *(to for _, to in back)]
+        assert sizes(api, low) == [3, 1, *(to for _, to in back)]
         shrink, *grows = resized
         assert (shrink["to_world"], shrink["reason"], shrink["for_job"]) == (
             1,
@@ -148,7 +141,7 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
         # It paused at a step of its own choosing, with a checkpoint of that step: none redone.
         assert {shrink["steps_redone"], *(g["steps_redone"] for g in grows)} == {0}
     else:
-        assert sizes(api, low["id"]) == [3]  # one attempt: the quorum went on through both
+        assert sizes(api, low) == [3]  # one attempt: the quorum went on through both
         worlds = [r["to_world"] for r in resized]
         assert worlds[0] == 1 and 3 in worlds, resized
         # The two replicas left at a step boundary, told to (their slots drained): no step
@@ -159,7 +152,7 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
             "drain",
             0,
         ), shrink
-        lost = events(api, low["id"], "worker_lost")
+        lost = events(api, low, "worker_lost")
         assert [e for e in lost if e["data"]["step"] == shrink["step"]] == [], lost
         # Under the suite's load a replica was once late past the fence's heartbeat timeout
         # (0.3 s) while its peers were heard (CI, 2026-11-25): fenced, it is a loss and its
@@ -173,17 +166,36 @@ def test_a_high_priority_job_shrinks_the_low_one_which_grows_back_after_it(
     assert started_in < 45, started_in
     # Restart mode: a step redone replaces the one before; in place: each step commits once.
     count = samples_that_count if mode == "restart" else committed_samples
-    counted = count(tmp_path / "checkpoints" / low["id"])
+    counted = count(tmp_path / "checkpoints" / low)
     assert set(counted.values()) == {1}
     assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
-    # And the model is the one the same job makes alone and unresized (its steps unpaced).
+    assert_the_model_of_the_job_alone(api, low, steps, mode, tmp_path / "checkpoints")
+
+
+def start_on_the_whole_pool(api: httpx.Client, spec: dict[str, Any], steps: int) -> str:
+    """Submit ``spec`` and wait until it trains on the pool's three workers, ``steps`` in."""
+    job_id: str = api.post("/v1/jobs", json=spec).json()["id"]
+    wait_until(
+        api,
+        job_id,
+        lambda j: j["state"] == "running" and j["world_size"] == 3 and j["step"] >= steps,
+        120,
+        "the low job training on the whole pool",
+    )
+    return job_id
+
+
+def assert_the_model_of_the_job_alone(
+    api: httpx.Client, job_id: str, steps: int, mode: str, root: Path
+) -> None:
+    """The job's final float64 parameters are those the same job makes alone and unresized
+    (its steps unpaced)."""
     alone_spec = paced_job("alone", steps, 0.0, True, fault_tolerance=mode)
     alone_spec["hyperparameters"]["exact"] = True
-    alone = api.post("/v1/jobs", json=alone_spec)
-    assert wait_until_ended(api, alone.json()["id"], timeout=240)["state"] == "succeeded"
-    assert sizes(api, alone.json()["id"]) == [3]
-    ours = final_parameters(api, low["id"], tmp_path / "checkpoints")
-    reference = final_parameters(api, alone.json()["id"], tmp_path / "checkpoints")
+    alone = api.post("/v1/jobs", json=alone_spec).json()["id"]
+    assert wait_until_ended(api, alone, timeout=240)["state"] == "succeeded"
+    assert sizes(api, alone) == [3]
+    ours, reference = final_parameters(api, job_id, root), final_parameters(api, alone, root)
     assert ours.keys() == reference.keys()
     for name, tensor in reference.items():
         assert tensor.dtype == torch.float64
@@ -335,18 +347,11 @@ def test_an_in_place_job_preempted_with_a_write_in_flight_goes_on_from_the_step_
     spec = paced_job("low", steps, 0.45, True, priority="low", fault_tolerance="in_place")
     spec["workload"] = "tests.workloads.held_write:train_loop"
     spec["hyperparameters"] |= {"exact": True, "write_arm": str(arm), "write_release": str(release)}
-    low = api.post("/v1/jobs", json=spec).json()
-    wait_until(
-        api,
-        low["id"],
-        lambda j: j["state"] == "running" and j["world_size"] == 3 and j["step"] >= 15,
-        120,
-        "the low job training on the whole pool",
-    )
+    low = start_on_the_whole_pool(api, spec, 15)
     arm.touch()
 
     def held() -> int | None:
-        lines = api.get(f"/v1/jobs/{low['id']}/logs", params={"limit": 5000}).json()["items"]
+        lines = api.get(f"/v1/jobs/{low}/logs", params={"limit": 5000}).json()["items"]
         said = [x["line"] for x in lines if "[held-write] writing the checkpoint" in x["line"]]
         return int(said[0].rsplit(" ", 1)[1]) if said else None
 
@@ -355,20 +360,20 @@ def test_an_in_place_job_preempted_with_a_write_in_flight_goes_on_from_the_step_
     high_spec["scaling"] |= {"min_workers": 3, "max_workers": 3}
     high = api.post("/v1/jobs", json=high_spec).json()
     wait_for(
-        lambda: any(d["to_world"] == 0 for d in scheduled(api, low["id"])),
+        lambda: any(d["to_world"] == 0 for d in scheduled(api, low)),
         30,
         what="the low job told to leave",
     )
     time.sleep(1.0)  # the replicas are told; the write is still held
-    assert [c["step"] for c in api.get(f"/v1/jobs/{low['id']}/checkpoints").json()["items"]][
+    assert [c["step"] for c in api.get(f"/v1/jobs/{low}/checkpoints").json()["items"]][
         -1
     ] < held_step
     release.touch()
     assert wait_until_ended(api, high["id"])["state"] == "succeeded"
-    done = wait_until_ended(api, low["id"], timeout=240)
+    done = wait_until_ended(api, low, timeout=240)
 
     assert done["state"] == "succeeded" and done["step"] == steps
-    changes = state_changes(api, low["id"])
+    changes = state_changes(api, low)
     assert [state for state, _ in changes] == [
         "queued",
         "starting",
@@ -378,27 +383,16 @@ def test_an_in_place_job_preempted_with_a_write_in_flight_goes_on_from_the_step_
         "running",
         "succeeded",
     ], changes
-    preempted = [
-        e["data"] for e in events(api, low["id"], "state") if e["data"]["state"] == "queued"
-    ]
+    preempted = [e["data"] for e in events(api, low, "state") if e["data"]["state"] == "queued"]
     left_at = preempted[1]["checkpoint_step"]
     print("preempted in place with a write in flight:", held_step, left_at, preempted[1])
     assert left_at >= held_step, (left_at, held_step)
     assert preempted[1]["reason"] == f"preempted for job {high['id']} (priority 100)"
-    (restored,) = [e["data"] for e in events(api, low["id"], "restored")]
+    (restored,) = [e["data"] for e in events(api, low, "restored")]
     assert (restored["checkpoint_step"], restored["steps_redone"]) == (left_at, 0), restored
-    saved = [e["data"]["step"] for e in events(api, low["id"], "checkpoint_saved")]
+    saved = [e["data"]["step"] for e in events(api, low, "checkpoint_saved")]
     assert held_step in saved and left_at in saved, saved
-    counted = committed_samples(tmp_path / "checkpoints" / low["id"])
+    counted = committed_samples(tmp_path / "checkpoints" / low)
     assert set(counted.values()) == {1}
     assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
-    alone_spec = paced_job("alone", steps, 0.0, True, fault_tolerance="in_place")
-    alone_spec["hyperparameters"]["exact"] = True
-    alone = api.post("/v1/jobs", json=alone_spec).json()
-    assert wait_until_ended(api, alone["id"], timeout=240)["state"] == "succeeded"
-    ours = final_parameters(api, low["id"], tmp_path / "checkpoints")
-    reference = final_parameters(api, alone["id"], tmp_path / "checkpoints")
-    assert ours.keys() == reference.keys()
-    for name, tensor in reference.items():
-        assert tensor.dtype == torch.float64
-        torch.testing.assert_close(ours[name], tensor, rtol=1e-10, atol=1e-12, msg=name)
+    assert_the_model_of_the_job_alone(api, low, steps, "in_place", tmp_path / "checkpoints")
