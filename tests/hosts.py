@@ -247,17 +247,17 @@ class HostCluster:
             f"--system-config={_fast_failure_detection()}",
         ]
         hosts = self._hosts_file("head", self.head_hostname)
-        log = (self.work / "head.log").open("wb")
         env = node_env()
         if self.redis_namespace:
             env |= fault_tolerant_env(self.redis_namespace)
-        self.head_proc = subprocess.Popen(
-            [*as_host(self.head_hostname, hosts), *command],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with (self.work / "head.log").open("wb") as log:
+            self.head_proc = subprocess.Popen(
+                [*as_host(self.head_hostname, hosts), *command],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.head_sessions = [self.head_proc.pid]
         probe = [sys.executable, "-c", f"import ray; ray.init(address='{self.address}')"]
         wait_for(
