@@ -7,10 +7,12 @@ tests skip, saying so. Each head keeps its state under a Redis namespace of its 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +75,15 @@ def in_sessions(sessions: Iterable[int]) -> list[int]:
             except (ProcessLookupError, PermissionError):
                 continue
     return found
+
+
+def end_sessions(sessions: Iterable[int]) -> None:
+    """Every process of these sessions ends: SIGTERM, then SIGKILL a second later."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in in_sessions(sessions):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        time.sleep(1)
 
 
 def program_in(sessions: Iterable[int], name: str) -> int | None:

@@ -50,7 +50,7 @@ from pathlib import Path
 import httpx
 
 from tests.conftest import TOKEN, free_port, wait_for
-from tests.gcs import GcsCommand, fault_tolerant_env, forget, in_sessions, kill_gcs, program_in
+from tests.gcs import GcsCommand, end_sessions, fault_tolerant_env, forget, kill_gcs, program_in
 from tests.ray_head import served
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -459,11 +459,7 @@ class HostCluster:
                 os.killpg(self.head_proc.pid, signal.SIGKILL)
                 self.head_proc.wait()
         if self.redis_namespace:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                for pid in in_sessions(self.head_sessions):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, sig)
-                time.sleep(1)
+            end_sessions(self.head_sessions)
             forget(self.redis_namespace)
         for host in self.hosts:
             if host.proc is not None:

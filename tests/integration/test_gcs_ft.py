@@ -9,13 +9,9 @@ so, where there is none. The head uses a Redis namespace of its own, deleted at 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,21 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import all_events, free_port, small_job, wait_for
+from tests.conftest import TERMINAL, all_events, free_port, small_job, wait_for
 from tests.gcs import (
     NO_REDIS,
+    end_sessions,
     fault_tolerant_env,
     forget,
-    in_sessions,
     kill_gcs,
     program_in,
     redis,
     redis_answers,
 )
 from tests.ray_head import clean_env, head_command, serve_env, served
-
-ROOT = Path(__file__).resolve().parents[2]
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 @dataclass
@@ -80,11 +73,7 @@ def redis_head() -> Iterator[Head]:
         assert start.wait(timeout=180) == 0, "ray start --head failed"
         yield head
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in in_sessions(head.sessions):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            time.sleep(1)
+        end_sessions(head.sessions)
         shutil.rmtree(temp, ignore_errors=True)
         forget(namespace)
 

@@ -310,7 +310,6 @@ def test_a_job_trains_on_through_the_loss_of_the_heads_gcs(
         )
         start_gcs = hosts.kill_gcs()
         killed_at = time.time()
-        new_gcs = None
         try:
             wait_for(
                 lambda: api.get(f"/v1/jobs/{job['id']}").json()["step"] >= at["step"] + 20,
