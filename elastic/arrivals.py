@@ -38,11 +38,18 @@ class InOrder(Generic[Item]):
     """Each sender's numbered items, released in the order of their numbers (from 0)."""
 
     def __init__(
-        self, hold_s: float = DEFAULT_HOLD_S, clock: Callable[[], float] = time.monotonic
+        self,
+        hold_s: float = DEFAULT_HOLD_S,
+        clock: Callable[[], float] = time.monotonic,
+        taken: dict[str, int] | None = None,
     ) -> None:
+        """``taken``: per sender, the last number already taken elsewhere; its next one is
+        awaited, not its first."""
         self.hold_s = hold_s
         self.clock = clock
-        self._senders: dict[str, _Sender[Item]] = {}
+        self._senders: dict[str, _Sender[Item]] = {
+            sender: _Sender(next_n=n + 1) for sender, n in (taken or {}).items()
+        }
 
     def accept(self, sender: str, n: int, item: Item) -> list[Item]:
         """The items this one releases, in order: none while an earlier number is missing."""

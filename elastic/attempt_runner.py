@@ -31,9 +31,29 @@ class AttemptSpec:
     replicas: int | None = None
 
 
+@dataclass(frozen=True)
+class RunningAttempt:
+    """An attempt whose workers outlived their supervisor (in place: the replicas and their
+    lighthouse), for the supervisor re-created after it to adopt."""
+
+    number: int
+    world_size: int  # its workers found alive (or waiting for capacity)
+    replicas: int  # how many it keeps placed: the scheduler's size for it
+
+
 class AttemptRunner(Protocol):
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         """Start the attempt and wait for it to end."""
+        ...
+
+    async def find_running(self) -> RunningAttempt | None:
+        """The job's attempt that a supervisor lost before this one left running, if any;
+        whatever such an attempt left that cannot be adopted is ended here."""
+        ...
+
+    async def adopt(self, running: RunningAttempt) -> AttemptOutcome:
+        """Watch an attempt :meth:`find_running` found, as if this runner had started it,
+        and wait for it to end."""
         ...
 
     def stop(self) -> None:

@@ -61,18 +61,31 @@ class EventLog:
         self.pending: list[Event] = []
         self.dropped: Counter[str] = Counter()
 
-    def append(self, kind: EventKind, data: dict[str, Any]) -> Event | None:
-        """The event as logged, or None when it was counted as dropped."""
+    def append(
+        self, kind: EventKind, data: dict[str, Any], origin: tuple[str, int] | None = None
+    ) -> Event | None:
+        """The event as logged, or None when it was counted as dropped. ``origin``: the
+        worker's numbered news it records (sender, number), which the reader keeps track of
+        (see elastic/in_place/supervisor_link.py)."""
         if kind in DROPPABLE and len(self.pending) >= self.max_pending:
             self.dropped[kind.value] += 1
             return None
         if self.dropped and len(self.pending) < self.max_pending:
             self._add(EventKind.EVENTS_DROPPED, dict(self.dropped))
             self.dropped.clear()
-        return self._add(kind, data)
+        return self._add(kind, data, origin)
 
-    def _add(self, kind: EventKind, data: dict[str, Any]) -> Event:
-        event = {"seq": self.next_seq, "kind": kind.value, "time": self.clock(), "data": data}
+    def _add(
+        self, kind: EventKind, data: dict[str, Any], origin: tuple[str, int] | None = None
+    ) -> Event:
+        event: Event = {
+            "seq": self.next_seq,
+            "kind": kind.value,
+            "time": self.clock(),
+            "data": data,
+        }
+        if origin is not None:
+            event["origin"] = list(origin)
         self.pending.append(event)
         self.next_seq += 1
         return event

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from elastic.arrivals import InOrder
 from elastic.attempt import Attempt, AttemptOutcome, EndCause, Recovery
-from elastic.attempt_runner import AttemptRunner, AttemptSpec
+from elastic.attempt_runner import AttemptRunner, AttemptSpec, RunningAttempt
 from elastic.capacity import CapacitySource, Reservation, Snapshot
 from elastic.checkpoints import CheckpointInfo
 from elastic.events import EventKind, EventLog
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 Step = Callable[[], Awaitable["Step | None"]]
+# A worker's news: its kind, its data, and (sender, number) when it was numbered.
+News = tuple[str, dict[str, Any], tuple[str, int] | None]
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,10 @@ class JobLoop:
         self.throughput: dict[int, float] = {}
         self.replicas: int | None = None  # in place: the scheduler's size at the start
         # The workers' news, back in the order each sent it (see elastic.arrivals).
-        self.arrivals: InOrder[tuple[str, dict[str, Any]]] = InOrder(clock=clock)
+        self.arrivals: InOrder[News] = InOrder(clock=clock, taken=plan.delivered)
+        # A re-created supervisor holds what workers say until it knows whether it adopts
+        # their attempt: replicas that outlived its predecessor call it as soon as it exists.
+        self._held: list[Callable[[], None]] | None = [] if plan.recreated else None
 
     # -- the routing -------------------------------------------------------------------------
 
@@ -135,6 +140,11 @@ class JobLoop:
                 self._set_state("failed", reason=problem)
                 return None
         if self.plan.recreated:
+            running = await self.runner.find_running()
+            if running is not None:
+                await self.capacity.register(self._demand())
+                return functools.partial(self._adopt, running)
+            self._held = None  # a new attempt begins: what the lost one's workers said is moot
             self._resume_after_supervisor_loss()
         await self.capacity.register(self._demand())
         return self._schedule
@@ -212,7 +222,27 @@ class JobLoop:
             frozenset(self.suspects),
             self.replicas,
         )
-        running = asyncio.ensure_future(self.runner.run(spec))
+        return await self._supervise(attempt, self.runner.run(spec))
+
+    async def _adopt(self, running: RunningAttempt) -> Step | None:
+        """In place, the lost supervisor's attempt outlived it (its replicas train on): this
+        supervisor goes on watching it, under its number, with no restart."""
+        attempt = Attempt(running.number, running.world_size, None, self.clock())
+        attempt.saw_step(self.plan.last_step, self.plan.last_step)
+        attempt.running = self.state == "running"
+        self.attempt = attempt
+        self.replicas = running.replicas
+        self._emit(
+            EventKind.SUPERVISOR_RECREATED,
+            {"previous_state": self.state, "adopted_attempt": running.number},
+        )
+        held, self._held = self._held or [], None
+        for call in held:
+            call()
+        return await self._supervise(attempt, self.runner.adopt(running))
+
+    async def _supervise(self, attempt: Attempt, run: Awaitable[AttemptOutcome]) -> Step | None:
+        running = asyncio.ensure_future(run)
         watch = self._watch_in_place if self.plan.fault_tolerance == "in_place" else self._watch
         watcher = asyncio.ensure_future(watch(attempt))
         try:
@@ -557,11 +587,17 @@ class JobLoop:
     # -- what the workers and the reader say ---------------------------------------------------
 
     def register_worker(self, attempt: int, rank: int, node_id: str) -> None:
+        if self._held is not None:
+            self._held.append(functools.partial(self.register_worker, attempt, rank, node_id))
+            return
         if self.attempt is not None and attempt == self.attempt.number:
             self.attempt.worker_nodes[rank] = node_id
 
     def replica_trained(self, attempt: int, replica: int) -> None:
         """In place: a replica of this attempt committed its first step."""
+        if self._held is not None:
+            self._held.append(functools.partial(self.replica_trained, attempt, replica))
+            return
         mark = getattr(self.runner, "replica_trained", None)
         if mark is not None and self.attempt is not None and attempt == self.attempt.number:
             mark(replica)
@@ -593,21 +629,28 @@ class JobLoop:
     ) -> None:
         """A worker's news; numbered news (``sender``, ``n``) is taken in the order it was
         sent, which is not always the order Ray delivers it."""
+        if self._held is not None:
+            self._held.append(functools.partial(self.record, kind, data, sender, n))
+            return
         if sender is None or n is None:
             self._record(kind, data)
             return
-        self._deliver(self.arrivals.accept(sender, n, (kind, data)))
+        if n <= self.plan.delivered.get(sender, -1):
+            return  # sent again after its supervisor's loss; the service has it already
+        self._deliver(self.arrivals.accept(sender, n, (kind, data, (sender, n))))
         self.deliver_overdue()
 
     def deliver_overdue(self) -> None:
         """Take the news held behind a call that has not come in time (see elastic.arrivals)."""
         self._deliver(self.arrivals.overdue())
 
-    def _deliver(self, news: list[tuple[str, dict[str, Any]]]) -> None:
-        for kind, data in news:
-            self._record(kind, data)
+    def _deliver(self, news: list[News]) -> None:
+        for kind, data, origin in news:
+            self._record(kind, data, origin)
 
-    def _record(self, kind: str, data: dict[str, Any]) -> None:
+    def _record(
+        self, kind: str, data: dict[str, Any], origin: tuple[str, int] | None = None
+    ) -> None:
         current = self.attempt
         if current is None or data.get("attempt") != current.number or self.cancelled:
             return  # late news from an attempt that has already ended
@@ -643,7 +686,7 @@ class JobLoop:
             current.checkpoint_step = step
             current.saved_checkpoint = True
             current.saw_step(step, step if completed is None else int(completed))
-        self._emit(what, data)
+        self._emit(what, data, origin)
 
     def cancel(self, reason: str) -> str:
         if self.state in TERMINAL:
@@ -837,5 +880,7 @@ class JobLoop:
             EventKind.STATE, {"state": target, "previous": previous, "reason": reason, **extra}
         )
 
-    def _emit(self, kind: EventKind, data: dict[str, Any]) -> None:
-        self.events.append(kind, data)
+    def _emit(
+        self, kind: EventKind, data: dict[str, Any], origin: tuple[str, int] | None = None
+    ) -> None:
+        self.events.append(kind, data, origin)

@@ -33,6 +33,10 @@ class SupervisorPlan:
     recreated: bool = False
     last_step: int = 0
     last_world_size: int = 0
+    # Per sender of numbered news (elastic/arrivals.py), the last number the service stored:
+    # a replica that outlived the dead supervisor sends its recent news again, and this much
+    # of it is not taken twice.
+    delivered: dict[str, int] = field(default_factory=dict)
     # Attempts are numbered from here: a re-created supervisor starts above every number
     # its predecessor can have used, so that no two attempts of a job share one.
     first_attempt: int = 1

@@ -43,7 +43,7 @@ import ray
 
 from elastic.arrivals import Outbox
 from elastic.attempt import AttemptOutcome
-from elastic.attempt_runner import AttemptSpec, last_line, resolve
+from elastic.attempt_runner import AttemptSpec, RunningAttempt, last_line, resolve
 from elastic.in_place.orphan import die_with_parent
 from elastic.worker_logs import forward_output
 
@@ -331,6 +331,13 @@ class WarmPoolRunner:
         return members
 
     # -- one attempt -------------------------------------------------------------------------
+
+    async def find_running(self) -> RunningAttempt | None:
+        """Warm workers die with the supervisor that placed them: nothing to adopt."""
+        return None
+
+    async def adopt(self, running: RunningAttempt) -> AttemptOutcome:
+        raise NotImplementedError("a restart-mode attempt ends with its supervisor")
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.stopping = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -184,6 +184,8 @@ class Resume:
     state: str
     step: int
     world_size: int
+    # Per sender of workers' numbered news, the last number the service stored.
+    delivered: dict[str, int] = field(default_factory=dict)
 
 
 def checkpoint_dir(checkpoint_root: str, job_id: str) -> str:
@@ -233,6 +235,7 @@ def launch(
         recreated=resume is not None,
         last_step=resume.step if resume else 0,
         last_world_size=resume.world_size if resume else 0,
+        delivered=dict(resume.delivered) if resume else {},
         # Every attempt took a sequence number for its attempt_started event: none is above.
         first_attempt=first_seq if resume else 1,
         fault_tolerance=spec.fault_tolerance or "restart",
@@ -266,6 +269,15 @@ def find_supervisor(job_id: str, namespace: str) -> Any | None:
         return None
 
 
-def stop_supervisor(handle: Any) -> None:
-    """A call to Ray's GCS: run it off the event loop."""
+def stop_supervisor(handle: Any, job_id: str, namespace: str) -> None:
+    """Calls to Ray's GCS: run it off the event loop."""
     ray.kill(handle, no_restart=True)
+    end_attempt_leftovers(job_id, namespace)
+
+
+def end_attempt_leftovers(job_id: str, namespace: str) -> None:
+    """In place, an attempt's replicas and lighthouse outlive its supervisor (a new one adopts
+    them): whatever is left of them is ended with the job."""
+    from elastic.in_place.runner import end_leftovers
+
+    end_leftovers(supervisor_name(job_id), namespace)

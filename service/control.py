@@ -64,6 +64,9 @@ class JobControl:
         self._handles: dict[str, Any] = {}
         self._missing_since: dict[str, float] = {}
         self._recreated: dict[str, int] = {}
+        # job -> per sender of its workers' numbered news, the last number stored: what a
+        # re-created supervisor does not take twice (elastic/in_place/supervisor_link.py)
+        self._delivered: dict[str, dict[str, int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._admission: dict[str, asyncio.Lock] = {}
         # Submissions answer before their supervisor starts: the launcher task starts the
@@ -224,7 +227,9 @@ class JobControl:
             except TimeoutError:
                 # It does not answer (busy, or on a node being declared dead): end it anyway,
                 # and its attempt with it, so that nothing keeps running for a cancelled job.
-                await asyncio.to_thread(launcher.stop_supervisor, handle)
+                await asyncio.to_thread(
+                    launcher.stop_supervisor, handle, job_id, self.settings.ray_namespace
+                )
                 self._handles.pop(job_id, None)
                 await self._end_without_supervisor(job_id, JobState.CANCELLED, reason)
                 await self._off_the_schedulers_book(job_id)
@@ -365,7 +370,9 @@ class JobControl:
             handle.ack.remote(events[-1]["seq"])
             if JobState(job.state).is_terminal:
                 # A GCS call: on the event loop it held every request while it ran.
-                await asyncio.to_thread(launcher.stop_supervisor, handle)
+                await asyncio.to_thread(
+                    launcher.stop_supervisor, handle, job_id, self.settings.ray_namespace
+                )
                 self._forget(job_id)
                 await self._off_the_schedulers_book(job_id)
 
@@ -465,7 +472,9 @@ class JobControl:
         self._missing_since.pop(job.id, None)
         # The new supervisor finds the latest valid checkpoint (or none) and says which.
         log.warning("%s: %s; re-creating its supervisor", job.id, why)
-        resume = launcher.Resume(job.state, job.step or 0, job.world_size or 0)
+        resume = launcher.Resume(
+            job.state, job.step or 0, job.world_size or 0, dict(self._delivered.get(job.id, {}))
+        )
         await self._launch(job, resume)
 
     async def _end_without_supervisor(self, job_id: str, state: JobState, reason: str) -> None:
@@ -481,9 +490,21 @@ class JobControl:
         }
         await self._store_events(job_id, [event])
         self._forget(job_id)
+        try:
+            await asyncio.to_thread(
+                launcher.end_attempt_leftovers, job_id, self.settings.ray_namespace
+            )
+        except Exception as e:  # Ray unreachable: what is left of the job dies with it
+            log.warning("ending what is left of %s's attempt failed: %s", job_id, e)
 
     async def _store_events(self, job_id: str, events: list[dict[str, Any]]) -> JobRow:
         """Store, then tell live streams: nothing is sent that is not stored first."""
+        delivered = self._delivered.setdefault(job_id, {})
+        for event in events:
+            origin = event.pop("origin", None)  # the worker's numbered news it records
+            if origin is not None:
+                sender, n = origin
+                delivered[sender] = max(delivered.get(sender, -1), int(n))
         events = with_relative_paths(job_id, events)
         job = await asyncio.to_thread(self.store.append_events, job_id, events)
         self.hub.publish(job_id, events)
@@ -500,6 +521,7 @@ class JobControl:
         self._handles.pop(job_id, None)
         self._missing_since.pop(job_id, None)
         self._recreated.pop(job_id, None)
+        self._delivered.pop(job_id, None)
 
     def _get(self, job_id: str) -> JobRow:
         job = self.store.get_job(job_id)

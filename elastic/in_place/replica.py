@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -225,13 +226,27 @@ def wait_for_starters(lighthouse: str, starting: int, timeout_s: float) -> int:
 LOG_FLUSH_S = 10.0
 
 
-# Two threads: ``run`` trains, ``abort_step`` reaches it while a collective is in flight.
-@ray.remote(max_restarts=0, max_concurrency=2)  # type: ignore[call-overload]
+# Threads: ``run`` trains; ``abort_step`` reaches it while a collective is in flight; each
+# supervisor that watches the replica (the first, and each one re-created after a loss)
+# waits in ``result``.
+@ray.remote(max_restarts=0, max_concurrency=8)  # type: ignore[call-overload]
 class Replica:
     def __init__(self) -> None:
         self.ctx: Any = None
+        self.ended = threading.Event()
+        self.outcome: str | BaseException | None = None
         # Its node's raylet gone, it ends at once (not at Ray's check a second later).
         die_with_parent()
+
+    def result(self) -> str:
+        """How its ``run`` ended, once it has: "finished" (it wrote the final checkpoint),
+        "finished as a replica", or "left"; its error is raised. A supervisor waits here
+        rather than on ``run``'s result, which dies with the supervisor that called it."""
+        self.ended.wait()
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        assert self.outcome is not None
+        return self.outcome
 
     def abort_step(self, dropped_for_s: float) -> bool:
         """The supervisor heard that a replica of the job was dropped by the lighthouse
@@ -261,14 +276,36 @@ class Replica:
         timeout_s: float,
         must_heal: bool,
         starting: int = 1,
+    ) -> None:
+        """Train; how it ended is for ``result``."""
+        try:
+            self.outcome = self._run(config, replica, lighthouse, timeout_s, must_heal, starting)
+        except BaseException as e:
+            self.outcome = e
+        finally:
+            self.ended.set()
+
+    def _run(
+        self,
+        config: dict[str, Any],
+        replica: int,
+        lighthouse: str,
+        timeout_s: float,
+        must_heal: bool,
+        starting: int,
     ) -> str:
         from elastic.in_place.context import InPlaceContext, LeftTheQuorum
+        from elastic.in_place.supervisor_link import SupervisorLink
         from elastic.worker import WorkerContext
         from elastic.worker_logs import forward_output
 
         meta = WorkerConfig.from_dict(config["_elastic"])
-        assert meta.supervisor is not None, "an in-place replica reports to its supervisor"
-        supervisor = ray.get_actor(meta.supervisor, namespace=meta.namespace)
+        name, train_loop = meta.supervisor, meta.train_loop
+        assert name is not None, "an in-place replica reports to its supervisor"
+        assert train_loop is not None
+        # The replica outlives its supervisor (see elastic/in_place/lighthouse.py): its calls
+        # go to whichever supervisor the job has.
+        supervisor = SupervisorLink(name, meta.namespace)
         supervisor.register_worker.remote(
             meta.attempt, replica, ray.get_runtime_context().get_node_id()
         )
@@ -290,18 +327,15 @@ class Replica:
                 load,
                 save,
                 lighthouse=lighthouse,
-                replica_id=replica_id(meta.supervisor, replica),
+                replica_id=replica_id(name, replica),
                 timeout_s=timeout_s,
                 host=host,
             )
 
         outbox = Outbox(supervisor)
-        last_sent: list[Any] = []
 
         def send(lines: list[list[Any]]) -> None:
-            last_sent[:] = [
-                outbox.record("log", {"attempt": meta.attempt, "rank": replica, "lines": lines})
-            ]
+            outbox.record("log", {"attempt": meta.attempt, "rank": replica, "lines": lines})
 
         def start_together() -> None:
             wait_for_starters(lighthouse, starting, START_TOGETHER_S)
@@ -309,15 +343,15 @@ class Replica:
         ctx = self.ctx = InPlaceContext(config, worker, factory, replica, must_heal, start_together)
         try:
             with forward_output(send):
-                resolve(meta.train_loop)(config, ctx)
+                resolve(train_loop)(config, ctx)
             ctx.checkpoints.wait()
         except LeftTheQuorum:
             return "left"
         finally:
-            # Its output is in the job's log before its run ends (and with it, maybe, the
-            # job): a supervisor runs one caller's calls in order, so the last one will do.
-            with contextlib.suppress(Exception):
-                ray.get(last_sent, timeout=LOG_FLUSH_S)
+            # Its output and news are with the supervisor before its run ends (and with it,
+            # maybe, the job); with a new supervisor, if the one it had died meanwhile.
+            supervisor.flush(LOG_FLUSH_S)
+            supervisor.close()
             # Its TensorBoard points and MLflow share, whatever happened; before the manager
             # stops heartbeating: a replica whose heartbeats stop is fenced as lost.
             worker.close()

@@ -1,37 +1,36 @@
-"""The supervisor's side of in-place recovery: one attempt is a torchft lighthouse (in the
-supervisor's process, bound to its node's address) and a replica actor per worker slot up
-to ``max_workers``. Replicas beyond the free capacity wait in Ray's queue and join when a
-node arrives; a lost replica is replaced the same way. The attempt ends when a replica
-finishes the job (the end is decided once: the rest are stopped), on a job error, or when
-every replica is gone (then the supervisor restarts from the latest checkpoint).
+"""The supervisor's side of in-place recovery: one attempt is a torchft lighthouse (held on
+the head node by elastic/in_place/lighthouse.py) and a replica actor per worker slot up to
+``max_workers``. Replicas beyond the free capacity wait in Ray's queue and join when a node
+arrives; a lost replica is replaced the same way. The attempt ends when a replica finishes
+the job (the end is decided once: the rest are stopped), on a job error, or when every
+replica is gone (then the supervisor restarts from the latest checkpoint).
+
+The replicas and the lighthouse outlive the supervisor: they are detached, and named after
+the job and the attempt, so that a supervisor re-created after a loss finds them and adopts
+the attempt while they train on. Every path that ends an attempt or a job therefore ends its
+replicas explicitly (:func:`end_leftovers` where no runner is left to do it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.machinery
-import importlib.util
 import logging
-import sys
 import time
-import urllib.parse
 from typing import Any
 
 import ray
 
-from elastic.addresses import url_host
 from elastic.attempt import AttemptOutcome
-from elastic.attempt_runner import AttemptSpec
+from elastic.attempt_runner import AttemptSpec, RunningAttempt
 from elastic.in_place.fence import fence
+from elastic.in_place.lighthouse import HOST_NAME, lighthouse_host
 from elastic.in_place.members import replica_id
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
 
 log = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_MS = 1000
-QUORUM_TICK_MS = 20
 # At the job's end (or a job error), how long the other replicas placed at the start may
 # take to end by themselves before they are stopped.
 SETTLE_S = 10.0
@@ -39,50 +38,44 @@ SETTLE_S = 10.0
 FINAL_WRITE_S = 60.0
 
 
-_TORCHFT_EXTENSION = "torchft._torchft"
+def _attempt_prefix(supervisor: str, attempt: int | None = None) -> str:
+    """The start of the names of the job's replicas (of one attempt, when given)."""
+    return f"{supervisor}-a" if attempt is None else f"{supervisor}-a{attempt}-r"
 
 
-def lighthouse_server_class() -> Any:
-    """torchft's ``LighthouseServer``, loaded from torchft's compiled extension without
-    running torchft's package ``__init__``, which imports torch: in the supervisor that was
-    about 1.4 CPU-seconds of every in-place job's start and about 560 MB of its memory, for a
-    server that needs neither (``torchft.coordination`` re-exports it from that extension).
-    Where the extension is not where torchft keeps it, the package is imported after all."""
-    module = sys.modules.get(_TORCHFT_EXTENSION)
-    if module is None:
-        package = importlib.util.find_spec("torchft")  # finds the package, does not run it
-        locations = package.submodule_search_locations if package else None
-        spec = importlib.machinery.PathFinder.find_spec(_TORCHFT_EXTENSION, locations)
-        if spec is None or spec.loader is None:
-            from torchft.coordination import LighthouseServer
-
-            return LighthouseServer
-        module = importlib.util.module_from_spec(spec)
-        # Registered first: torchft imported later in this process reuses it (an extension
-        # module is initialised once per process).
-        sys.modules[_TORCHFT_EXTENSION] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[_TORCHFT_EXTENSION]  # no half-initialised module for later imports
-            raise
-    return module.LighthouseServer
+def _named_replicas(supervisor: str, namespace: str, attempt: int | None = None) -> list[str]:
+    prefix = _attempt_prefix(supervisor, attempt)
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(prefix)
+    ]
 
 
-def reachable_url(advertised: str, host: str) -> str:
-    """The lighthouse's URL with ``host``, the address it is bound to, for the replicas.
-    torchft advertises ``http://<host name>:<port>``, a name other nodes may not resolve, or
-    resolve to loopback (a Kubernetes pod's name, Debian's 127.0.1.1)."""
-    port = urllib.parse.urlsplit(advertised).port
-    if port is None:
-        raise ValueError(f"the lighthouse advertised no port: {advertised!r}")
-    return f"http://{url_host(host)}:{port}"
+def end_leftovers(supervisor: str, namespace: str, keep_attempt: int | None = None) -> int:
+    """End every replica of the job whose supervisor is ``supervisor`` (but attempt
+    ``keep_attempt``'s) and its lighthouse: a job that ended, or restarts, without the
+    supervisor that started them must leave nothing training. Returns how many were ended."""
+    ended = 0
+    keep = None if keep_attempt is None else _attempt_prefix(supervisor, keep_attempt)
+    for name in _named_replicas(supervisor, namespace):
+        if keep is not None and name.startswith(keep):
+            continue
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            ended += 1
+    if keep_attempt is None:
+        with contextlib.suppress(Exception):
+            ray.get(ray.get_actor(HOST_NAME, namespace=namespace).close.remote(supervisor))
+    return ended
 
 
 class InPlaceRunner:
     def __init__(self, plan: dict[str, Any], config_for: Any) -> None:
         self.plan = plan
         self.config_for = config_for  # AttemptSpec -> the train-loop config
+        self.name = str(plan["actor_name"])
+        self.namespace = str(plan["namespace"])
         self.actors: dict[int, Any] = {}
         # Replicas told to leave a draining node: not a loss when their heartbeats stop.
         self.leaving: set[int] = set()
@@ -94,30 +87,24 @@ class InPlaceRunner:
         # max_workers), and the call that places one more joiner (set while it runs).
         self.limit = int(plan["max_workers"])
         self.grow: asyncio.Event = asyncio.Event()
+        self.attempt = 0
+        self.host: Any = None
+        # The replicas and lighthouse of an attempt that find_running found.
+        self.found: dict[int, Any] = {}
+        self._lighthouse_url = ""
 
     async def _fence(self, index: int) -> None:
         actor = self.actors.get(index)
         if actor is not None:
             await asyncio.to_thread(fence, actor)
 
-    def _lighthouse(self) -> tuple[Any, str]:
-        """The attempt's lighthouse, bound to this node's Ray address, and its URL for the
-        replicas."""
-        host = ray.util.get_node_ip_address()
-        server = lighthouse_server_class()(
-            bind=f"{url_host(host)}:0",
-            min_replicas=1,
-            join_timeout_ms=JOIN_TIMEOUT_MS,
-            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
-            # A quorum waiting on a lost replica forms at the first tick after the
-            # lighthouse forgets it: torchft's default tick (100 ms) would add to the pause.
-            quorum_tick_ms=QUORUM_TICK_MS,
-        )
-        return server, reachable_url(server.address(), host)
-
     def _place(self, index: int, config: dict[str, Any], lighthouse: str, joiner: bool) -> Any:
+        """Place replica ``index``; returns the call that says how its run ended."""
         resources = dict(self.plan["resources_per_worker"])
         actor = Replica.options(  # type: ignore[attr-defined]
+            name=f"{_attempt_prefix(self.name, self.attempt)}{index}",
+            namespace=self.namespace,
+            lifetime="detached",
             num_cpus=resources.pop("CPU", 1),
             num_gpus=resources.pop("GPU", 0),
             resources=resources or None,
@@ -125,25 +112,79 @@ class InPlaceRunner:
         ).remote()
         self.actors[index] = actor
         timeout_s = float(self.plan["collective_timeout_s"])
-        return actor.run.remote(config, index, lighthouse, timeout_s, joiner, self.starting)
+        actor.run.remote(config, index, lighthouse, timeout_s, joiner, self.starting)
+        return actor.result.remote()
 
-    async def run(self, spec: AttemptSpec) -> AttemptOutcome:
+    def _begin(self, attempt: int, starting: int, limit: int) -> None:
         self.stopped = asyncio.Event()
         self.grow = asyncio.Event()
         self.trained = set()
-        self.starting = spec.world_size
-        self.limit = int(self.plan["max_workers"] if spec.replicas is None else spec.replicas)
-        lighthouse, address = self._lighthouse()
+        self.leaving = set()
+        self.attempt = attempt
+        self.starting = starting
+        self.limit = limit
+
+    async def run(self, spec: AttemptSpec) -> AttemptOutcome:
+        limit = int(self.plan["max_workers"] if spec.replicas is None else spec.replicas)
+        self._begin(spec.attempt, spec.world_size, limit)
+        # Nothing of an attempt before this one trains beside it (one a lost supervisor left).
+        await asyncio.to_thread(end_leftovers, self.name, self.namespace, spec.attempt)
+        self.host = lighthouse_host(self.namespace)
+        lighthouse = await self.host.open.remote(
+            self.name, spec.attempt, spec.world_size, limit, HEARTBEAT_TIMEOUT_MS
+        )
         config = self.config_for(spec)
         runs: dict[asyncio.Future[Any], int] = {}
-        next_index = 0
-        for _ in range(max(self.limit, spec.world_size)):
+        for index in range(max(self.limit, spec.world_size)):
             runs[
                 asyncio.ensure_future(
-                    self._place(next_index, config, address, next_index >= spec.world_size)
+                    self._place(index, config, lighthouse.url, index >= spec.world_size)
                 )
-            ] = next_index
-            next_index += 1
+            ] = index
+        return await self._supervise(spec, runs, config, lighthouse.url)
+
+    async def find_running(self) -> RunningAttempt | None:
+        try:
+            self.host = await asyncio.to_thread(ray.get_actor, HOST_NAME, namespace=self.namespace)
+            lighthouse = await self.host.find.remote(self.name)
+        except ValueError:  # no lighthouse host: no in-place attempt ever ran here
+            lighthouse = None
+        if lighthouse is not None:
+            names = await asyncio.to_thread(
+                _named_replicas, self.name, self.namespace, lighthouse.attempt
+            )
+            prefix = _attempt_prefix(self.name, lighthouse.attempt)
+            found = {}
+            for name in names:
+                with contextlib.suppress(ValueError):
+                    found[int(name[len(prefix) :])] = ray.get_actor(name, namespace=self.namespace)
+            if found:
+                self.found = found
+                self._begin(lighthouse.attempt, lighthouse.starting, lighthouse.limit)
+                self._lighthouse_url = lighthouse.url
+                return RunningAttempt(lighthouse.attempt, len(found), lighthouse.limit)
+        await asyncio.to_thread(end_leftovers, self.name, self.namespace)
+        return None
+
+    async def adopt(self, running: RunningAttempt) -> AttemptOutcome:
+        spec = AttemptSpec(running.number, running.world_size, None, frozenset(), running.replicas)
+        self.actors = dict(self.found)
+        self.found = {}
+        runs = {
+            asyncio.ensure_future(actor.result.remote()): index
+            for index, actor in self.actors.items()
+        }
+        log.info("in place: adopted attempt %s's replicas %s", running.number, sorted(self.actors))
+        return await self._supervise(spec, runs, self.config_for(spec), self._lighthouse_url)
+
+    async def _supervise(
+        self,
+        spec: AttemptSpec,
+        runs: dict[asyncio.Future[Any], int],
+        config: dict[str, Any],
+        address: str,
+    ) -> AttemptOutcome:
+        next_index = max(runs.values(), default=-1) + 1
         stop = asyncio.ensure_future(self.stopped.wait())
         watch = asyncio.ensure_future(self._watch(address, config["_elastic"]["supervisor"]))
         finished_at: float | None = None
@@ -175,7 +216,7 @@ class InPlaceRunner:
                         # replacement waits for capacity in Ray's queue. A worker left behind
                         # by a dead raylet can still hold the survivors' all-reduce: killed.
                         await self._fence(index)
-                        self.actors.pop(index, None)
+                        self._drop(index)
                         if not self.stopped.is_set() and self._short():
                             call = self._place(next_index, config, address, True)
                             runs[asyncio.ensure_future(call)] = next_index
@@ -187,7 +228,7 @@ class InPlaceRunner:
                         await self._settle(runs)
                         return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
                     finally:
-                        self.actors.pop(index, None)
+                        self._drop(index)
                     if fut.result() == "left":
                         # It left a draining node at a step boundary; its replacement waits
                         # for capacity elsewhere (Ray places nothing on a draining node).
@@ -212,7 +253,7 @@ class InPlaceRunner:
             self._kill_all()
             for fut in runs:
                 fut.cancel()
-            lighthouse.shutdown()
+            self._close_lighthouse()
 
     async def _settle(self, runs: dict[asyncio.Future[Any], int]) -> None:
         """The job's end is decided: the replicas placed at the start end on their own within
@@ -278,18 +319,30 @@ class InPlaceRunner:
         their next step (with a checkpoint of it first when none would stay) and are not
         replaced; below it, joiners are placed. Returns the replicas told to leave."""
         self.limit = size
+        if self.host is not None:  # for a supervisor that adopts the attempt
+            self.host.set_limit.remote(self.name, self.attempt, size)
         staying = sorted(i for i in self.actors if i not in self.leaving)
         if len(staying) < size:
             self.grow.set()
             return set()
         return self.leave(set(staying[size:]))
 
-    def _kill_all(self) -> None:
-        for actor in self.actors.values():
+    def _drop(self, index: int) -> None:
+        """Replica ``index`` is done with (ended, or lost): detached, it is ended by hand."""
+        actor = self.actors.pop(index, None)
+        if actor is not None:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        self.actors.clear()
+
+    def _kill_all(self) -> None:
+        for index in list(self.actors):
+            self._drop(index)
+
+    def _close_lighthouse(self) -> None:
+        if self.host is not None:
+            self.host.close.remote(self.name, self.attempt)
 
     def stop(self) -> None:
         self.stopped.set()
         self._kill_all()
+        self._close_lighthouse()

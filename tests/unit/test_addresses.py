@@ -7,7 +7,7 @@ import os
 import pytest
 
 from elastic.addresses import GLOO_INTERFACE_ENV, bind_gloo_to, interface_of, url_host
-from elastic.in_place.runner import reachable_url
+from elastic.in_place.lighthouse import reachable_url
 
 
 def test_the_lighthouse_is_reached_at_the_address_it_is_bound_to() -> None:

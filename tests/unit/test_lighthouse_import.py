@@ -1,5 +1,5 @@
-"""The supervisor of an in-place job starts torchft's lighthouse without importing torch
-(torchft's package imports it: 1.4 CPU-seconds and about 560 MB per supervisor)."""
+"""The cluster's lighthouse host starts torchft's lighthouse without importing torch
+(torchft's package imports it: 1.4 CPU-seconds and about 560 MB of the head node's memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 PROGRAM = """
 import sys
-from elastic.in_place.runner import lighthouse_server_class
+from elastic.in_place.lighthouse import lighthouse_server_class
 
 server = lighthouse_server_class()(
     bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=300

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from elastic.attempt import AttemptOutcome
-from elastic.attempt_runner import AttemptSpec
+from elastic.attempt_runner import AttemptSpec, RunningAttempt
 from elastic.capacity import Reservation, Snapshot
 from elastic.checkpoints import CheckpointInfo
 from elastic.events import EventLog
@@ -133,10 +133,24 @@ class FakeRunner:
         self.stops = 0
         self.place = True
         self.resized: list[int] = []
+        # An attempt a lost supervisor left running, found on the cluster; and those adopted.
+        self.left_running: RunningAttempt | None = None
+        self.adopted: list[RunningAttempt] = []
+
+    async def find_running(self) -> RunningAttempt | None:
+        return self.left_running
+
+    async def adopt(self, running: RunningAttempt) -> AttemptOutcome:
+        self.adopted.append(running)
+        self.nodes = self.cluster.free_nodes()[: running.world_size]
+        return await self._until_ended()
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
         self.specs.append(spec)
         self.nodes = self.cluster.free_nodes()[: spec.world_size] if self.place else []
+        return await self._until_ended()
+
+    async def _until_ended(self) -> AttemptOutcome:
         for node in self.nodes:
             self.cluster.take(node)
         self.ending = asyncio.get_running_loop().create_future()
@@ -480,6 +494,54 @@ def test_a_recreated_supervisor_resumes_from_the_latest_checkpoint() -> None:
         assert (restored["from_world"], restored["to_world"], restored["steps_redone"]) == (3, 2, 7)
         h.loop.cancel("done")
         await h.finish()
+
+    run(body)
+
+
+def test_a_recreated_supervisor_adopts_the_attempt_its_predecessor_left_running() -> None:
+    """In place, the replicas outlived the lost supervisor: the new one watches their attempt
+    under its number, with no restart, no recovery and no state change; their news resent to
+    it is taken once, from past what the service had stored."""
+
+    async def body() -> None:
+        h = Harness(
+            FakeCluster(3),
+            initial_state="running",
+            recreated=True,
+            last_step=27,
+            last_world_size=3,
+            first_attempt=40,
+            fault_tolerance="in_place",
+            delivered={"replica-0": 5},
+        )
+        h.checkpoints.valid = [10, 20]
+        h.runner.left_running = RunningAttempt(39, 3, 3)
+
+        def news(n: int) -> None:
+            data = {"attempt": 39, "step": 24 + n, "world_size": 3}
+            h.loop.record("metrics", data, "replica-0", n)
+
+        # Sent before the supervisor knew it would adopt the attempt: held until it does.
+        news(6)
+        h.loop.register_worker(39, 0, "node-0")
+        h.start()
+        await h.until(lambda: bool(h.runner.adopted), "the adoption")
+        assert h.runner.adopted == [RunningAttempt(39, 3, 3)] and h.runner.specs == []
+        assert h.of("supervisor_recreated") == [
+            {"previous_state": "running", "adopted_attempt": 39}
+        ]
+        assert h.loop.status()["worker_nodes"] == {0: "node-0"}
+        for n in (4, 5, 7):  # 4 and 5 were stored from the lost supervisor
+            news(n)
+        assert [d["step"] for d in h.of("metrics")] == [30, 31]
+        assert [e["origin"] for e in h.log.pending if e["kind"] == "metrics"] == [
+            ["replica-0", 6],
+            ["replica-0", 7],
+        ]
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["succeeded"] and h.loop.status()["step"] == 31
+        assert not {"attempt_started", "restored", "worker_lost"} & set(h.kinds())
 
     run(body)
 
