@@ -24,9 +24,9 @@ clean run's wall time over the soak's, submit to end, for the same steps); and w
 run's final float64 model equals the clean run's, with every sample trained once per
 epoch. Goal: goodput >= 0.9 at one failure a minute.
 
-Not drawn here: the supervisor's loss (in place it still restarts the job, docs/recovery.md's
-known limits) and the head's GCS (this bed keeps no GCS state in Redis; the hosts tests kill
-and restart it under a job, tests/integration/test_hosts.py).
+Not drawn here: the supervisor's loss (``bench/recovery_hosts.py --failure supervisor``
+measures it on this bed) and the head's GCS (this bed keeps no GCS state in Redis; the hosts
+tests kill and restart it under a job, tests/integration/test_hosts.py).
 
 Needs root (network namespaces), ``ip``, ``unshare`` and ``nft``.
 

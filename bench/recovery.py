@@ -220,6 +220,8 @@ HEADERS = {
 }
 ROWS = [
     ("kill to first step at the smaller size (s)", "recovery_s", "{:.2f}"),
+    ("supervisor killed to its successor's word (s)", "supervisor_back_s", "{:.2f}"),
+    ("kill to the first step after that word (s)", "resumed_s", "{:.2f}"),
     ("longest training pause after the kill (s)", "pause_s", "{:.2f}"),
     ("steps redone", "steps_redone", "{:.0f}"),
     ("samples lost in the final model", "samples_lost", "{:.0f}"),
@@ -230,6 +232,7 @@ ROWS = [
     ("wall time, start to the last step (s)", "wall_s", "{:.1f}"),
     ("runs that grew back before the end", "grew", "{:.0f}"),
     ("split brain: replicas that retrained alone", "split_brain", "{:.0f}"),
+    ("attempts (1: no restart)", "attempts", "{:.0f}"),
     ("ours as reported: recovery_seconds", "reported_s", "{:.2f}"),
     ("ours as reported: pause_seconds", "reported_pause_s", "{:.2f}"),
     ("ours as reported: steps_redone", "reported_redone", "{:.0f}"),

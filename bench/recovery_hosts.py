@@ -10,15 +10,23 @@ that holds rank 1 is SIGKILLed (a machine lost); once the smaller world reaches
 GROW_AT_STEP, a host is added back. The modes alternate, each first in turn, --repeat times.
 The figures come from the same step records and summary as ``bench/recovery.py``'s.
 
+With ``--failure supervisor``, the job's supervisor's process is SIGKILLed at that step
+instead (on the head's host, where supervisors run) and no host is lost: the service
+re-creates the supervisor. In place the replicas train on and the new one adopts them; in
+restart mode a new worker group starts from the latest checkpoint.
+
 Needs root (network namespaces), ``ip`` and ``unshare``.
 
     .venv/bin/python -m bench.recovery_hosts --repeat 3
+    .venv/bin/python -m bench.recovery_hosts --repeat 3 --failure supervisor
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -31,15 +39,37 @@ from bench.recovery import (
     job_spec,
     metrics_records,
     print_table,
+    stamp,
     with_samples,
 )
 from bench.recovery_ray import BATCH, GROW_AT_STEP, KILL_AT_STEP, STEPS, WORKER_NODES
 from bench.recovery_records import StepRecord, summarize
+from tests.conftest import wait_for
 from tests.hosts import HostCluster, bench_cluster, service
 
 MODES = ["restart", "in_place"]
 HEADERS = {"restart": "ours, restart", "in_place": "ours, in_place"}
 ENDED = ("succeeded", "failed", "cancelled")
+FAILURES = ("host", "supervisor")
+
+
+def supervisor_pid() -> int:
+    """The one job's supervisor process on this machine (Ray titles a worker after its
+    actor's class)."""
+
+    def pids() -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::Supervisor"):
+                        found.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    (pid,) = wait_for(lambda: p if len(p := pids()) == 1 else None, 30, what="one supervisor")
+    return int(pid)
 
 
 def rank1_host(api: httpx.Client, hosts: HostCluster, job_id: str) -> Any:
@@ -74,7 +104,9 @@ def with_unreported_steps(records: list[StepRecord], job_root: Path) -> list[Ste
     return sorted([*records, *added], key=lambda r: (r.time, r.step))
 
 
-def run(api: httpx.Client, hosts: HostCluster, root: Path, mode: str) -> dict[str, float]:
+def run(
+    api: httpx.Client, hosts: HostCluster, root: Path, mode: str, failure: str
+) -> dict[str, float]:
     hosts.restore(WORKER_NODES)
     started = time.time()
     job_id = api.post("/v1/jobs", json=job_spec(STEPS, mode)).json()["id"]
@@ -82,10 +114,17 @@ def run(api: httpx.Client, hosts: HostCluster, root: Path, mode: str) -> dict[st
     while True:
         seen = metrics_records(events())
         if any(r.step >= KILL_AT_STEP and r.world == WORKER_NODES for r in seen):
+            if failure == "supervisor":
+                break
             victim = rank1_host(api, hosts, job_id)
             if victim is not None:
                 break
         time.sleep(0.02)
+    if failure == "supervisor":
+        pid = supervisor_pid()
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return supervisor_figures(api, events, root / job_id, started, killed_at, mode)
     killed_at = victim.kill()
     added_at = None
     while api.get(f"/v1/jobs/{job_id}").json()["state"] not in ENDED:
@@ -118,9 +157,34 @@ def run(api: httpx.Client, hosts: HostCluster, root: Path, mode: str) -> dict[st
     return figures | {"grew": float("grow_s" in figures)}
 
 
+def supervisor_figures(
+    api: httpx.Client,
+    events: JobEvents,
+    job_root: Path,
+    started: float,
+    killed_at: float,
+    mode: str,
+) -> dict[str, float]:
+    """The job ends; its figures, the span after the kill ending at the first step after
+    the re-created supervisor's ``supervisor_recreated`` event."""
+    while api.get(f"/v1/jobs/{job_root.name}").json()["state"] not in ENDED:
+        time.sleep(0.2)
+    final = api.get(f"/v1/jobs/{job_root.name}").json()
+    assert final["state"] == "succeeded", final
+    items = events()
+    (note,) = [e for e in items if e["kind"] == "supervisor_recreated"]
+    records = with_samples(metrics_records(items), job_root)
+    if mode == "in_place":
+        records = with_unreported_steps(records, job_root)
+    attempts = sum(e["kind"] == "attempt_started" for e in items)
+    figures = summarize(records, started, killed_at, None, STEPS, BATCH, stamp(note))
+    return figures | {"attempts": float(attempts)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each mode (>= 3)")
+    parser.add_argument("--failure", choices=FAILURES, default="host", help="what is killed")
     args = parser.parse_args()
     work, hosts = bench_cluster(parser, "etrain-bench-hosts-")
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
@@ -130,13 +194,15 @@ def main() -> None:
             for rep in range(args.repeat):
                 order = MODES if rep % 2 == 0 else MODES[::-1]
                 for mode in order:
-                    figures = run(api, hosts, work / "service" / "checkpoints", mode)
+                    figures = run(api, hosts, work / "service" / "checkpoints", mode, args.failure)
                     results[mode].append(figures)
                     print(f"repetition {rep + 1}, {mode}: {figures}", flush=True)
     finally:
         hosts.close()
     print()
-    print(f"median (range) of {args.repeat} runs per mode, on 3 nodes that are hosts")
+    lost = "a host" if args.failure == "host" else "the job's supervisor"
+    print(f"median (range) of {args.repeat} runs per mode, on 3 nodes that are hosts;")
+    print(f"{lost} killed at step {KILL_AT_STEP}")
     print()
     print_table({HEADERS[mode]: results[mode] for mode in MODES})
 

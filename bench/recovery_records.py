@@ -45,8 +45,14 @@ def summarize(
     added_at: float | None,
     steps: int,
     batch: int,
+    back_at: float | None = None,
 ) -> dict[str, float]:
     """The table's figures for one run.
+
+    With ``back_at``, the kill was the job's supervisor's, and ``back_at`` when its successor
+    said so (its ``supervisor_recreated`` event). The world does not shrink then: instead of
+    ``recovery_s``, ``supervisor_back_s`` is the kill to ``back_at`` and ``resumed_s`` the
+    kill to the first committed step after it, which ends the span ``pause_s`` looks at.
 
     - recovery_s: the kill to the first committed step at a world smaller than the kill's;
     - pause_s: the longest gap between committed steps from the last one before the kill to
@@ -70,9 +76,14 @@ def summarize(
     done = sorted((r for r in records if r.committed), key=lambda r: r.time)
     before = [r for r in done if r.time <= killed_at]
     world_at_kill = max(r.world for r in before if r.time == before[-1].time)
-    smaller = next(r for r in done if r.time > killed_at and r.world < world_at_kill)
-    out: dict[str, float] = {
-        "recovery_s": smaller.time - killed_at,
+    out: dict[str, float]
+    if back_at is None:
+        smaller = next(r for r in done if r.time > killed_at and r.world < world_at_kill)
+        out = {"recovery_s": smaller.time - killed_at}
+    else:
+        smaller = next(r for r in done if r.time > back_at)
+        out = {"supervisor_back_s": back_at - killed_at, "resumed_s": smaller.time - killed_at}
+    out |= {
         "pause_s": _longest_gap(done, before[-1].time, smaller.time),
         "wall_s": max(r.time for r in done if r.step == steps) - started,
         "split_brain": len(alone),

@@ -108,4 +108,8 @@ class Outbox:
         self._numbers = itertools.count()
 
     def record(self, kind: str, data: dict[str, Any]) -> Any:
-        return self.supervisor.record.remote(kind, data, self.sender, next(self._numbers))
+        """Sent with its number and the time it was sent: the time the job's log shows, also
+        for news a re-created supervisor is sent again (see elastic/in_place)."""
+        return self.supervisor.record.remote(
+            kind, data, self.sender, next(self._numbers), time.time()
+        )

@@ -62,26 +62,34 @@ class EventLog:
         self.dropped: Counter[str] = Counter()
 
     def append(
-        self, kind: EventKind, data: dict[str, Any], origin: tuple[str, int] | None = None
+        self,
+        kind: EventKind,
+        data: dict[str, Any],
+        origin: tuple[str, int] | None = None,
+        at: float | None = None,
     ) -> Event | None:
         """The event as logged, or None when it was counted as dropped. ``origin``: the
         worker's numbered news it records (sender, number), which the reader keeps track of
-        (see elastic/in_place/supervisor_link.py)."""
+        (see elastic/in_place/supervisor_link.py); ``at``: when it happened, if not now."""
         if kind in DROPPABLE and len(self.pending) >= self.max_pending:
             self.dropped[kind.value] += 1
             return None
         if self.dropped and len(self.pending) < self.max_pending:
             self._add(EventKind.EVENTS_DROPPED, dict(self.dropped))
             self.dropped.clear()
-        return self._add(kind, data, origin)
+        return self._add(kind, data, origin, at)
 
     def _add(
-        self, kind: EventKind, data: dict[str, Any], origin: tuple[str, int] | None = None
+        self,
+        kind: EventKind,
+        data: dict[str, Any],
+        origin: tuple[str, int] | None = None,
+        at: float | None = None,
     ) -> Event:
         event: Event = {
             "seq": self.next_seq,
             "kind": kind.value,
-            "time": self.clock(),
+            "time": self.clock() if at is None else at,
             "data": data,
         }
         if origin is not None:

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 TERMINAL = ("succeeded", "failed", "cancelled")
 
 Step = Callable[[], Awaitable["Step | None"]]
-# A worker's news: its kind, its data, and (sender, number) when it was numbered.
-News = tuple[str, dict[str, Any], tuple[str, int] | None]
+# A worker's news: its kind, its data, (sender, number) when it was numbered, and when the
+# worker sent it.
+News = tuple[str, dict[str, Any], tuple[str, int] | None, float | None]
 
 
 @dataclass(frozen=True)
@@ -625,19 +626,25 @@ class JobLoop:
         return bool(self._drained(current)) or current.shrink is not None
 
     def record(
-        self, kind: str, data: dict[str, Any], sender: str | None = None, n: int | None = None
+        self,
+        kind: str,
+        data: dict[str, Any],
+        sender: str | None = None,
+        n: int | None = None,
+        at: float | None = None,
     ) -> None:
         """A worker's news; numbered news (``sender``, ``n``) is taken in the order it was
-        sent, which is not always the order Ray delivers it."""
+        sent, which is not always the order Ray delivers it; ``at``: when it was sent, the
+        time its event shows."""
         if self._held is not None:
-            self._held.append(functools.partial(self.record, kind, data, sender, n))
+            self._held.append(functools.partial(self.record, kind, data, sender, n, at))
             return
         if sender is None or n is None:
             self._record(kind, data)
             return
         if n <= self.plan.delivered.get(sender, -1):
             return  # sent again after its supervisor's loss; the service has it already
-        self._deliver(self.arrivals.accept(sender, n, (kind, data, (sender, n))))
+        self._deliver(self.arrivals.accept(sender, n, (kind, data, (sender, n), at)))
         self.deliver_overdue()
 
     def deliver_overdue(self) -> None:
@@ -645,11 +652,15 @@ class JobLoop:
         self._deliver(self.arrivals.overdue())
 
     def _deliver(self, news: list[News]) -> None:
-        for kind, data, origin in news:
-            self._record(kind, data, origin)
+        for kind, data, origin, at in news:
+            self._record(kind, data, origin, at)
 
     def _record(
-        self, kind: str, data: dict[str, Any], origin: tuple[str, int] | None = None
+        self,
+        kind: str,
+        data: dict[str, Any],
+        origin: tuple[str, int] | None = None,
+        at: float | None = None,
     ) -> None:
         current = self.attempt
         if current is None or data.get("attempt") != current.number or self.cancelled:
@@ -686,7 +697,7 @@ class JobLoop:
             current.checkpoint_step = step
             current.saved_checkpoint = True
             current.saw_step(step, step if completed is None else int(completed))
-        self._emit(what, data, origin)
+        self._emit(what, data, origin, at)
 
     def cancel(self, reason: str) -> str:
         if self.state in TERMINAL:
@@ -881,6 +892,10 @@ class JobLoop:
         )
 
     def _emit(
-        self, kind: EventKind, data: dict[str, Any], origin: tuple[str, int] | None = None
+        self,
+        kind: EventKind,
+        data: dict[str, Any],
+        origin: tuple[str, int] | None = None,
+        at: float | None = None,
     ) -> None:
-        self.events.append(kind, data, origin)
+        self.events.append(kind, data, origin, at)

@@ -103,6 +103,11 @@ class Supervisor:
         return self.loop.drain_pending(attempt)
 
     async def record(
-        self, kind: str, data: dict[str, Any], sender: str | None = None, n: int | None = None
+        self,
+        kind: str,
+        data: dict[str, Any],
+        sender: str | None = None,
+        n: int | None = None,
+        at: float | None = None,
     ) -> None:
-        self.loop.record(kind, data, sender, n)
+        self.loop.record(kind, data, sender, n, at)

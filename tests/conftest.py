@@ -257,6 +257,7 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
     from ray.util import placement_group_table, remove_placement_group
     from ray.util.placement_group import PlacementGroup
 
+    from elastic.in_place.lighthouse import HOST_NAME
     from jobs.launcher import ACTOR_PREFIX
 
     killed = []
@@ -269,6 +270,14 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
             continue  # it ended on its own between the listing and the lookup
         ray.kill(handle, no_restart=True)
         killed.append(actor["name"])
+    # In place, a job's detached replicas (named after its supervisor: killed above) and its
+    # lighthouse (held by the cluster's lighthouse host) outlive its supervisor.
+    try:
+        host = ray.get_actor(HOST_NAME, namespace=NAMESPACE)
+    except ValueError:
+        host = None
+    if host is not None:
+        ray.get([host.close.remote(name) for name in killed])
     for pg_id, pg in placement_group_table().items():
         if pg["state"] != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))

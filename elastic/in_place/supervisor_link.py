@@ -71,7 +71,7 @@ class SupervisorLink:
             self.pending[ref] = (now, method, args)
             if method in STICKY:
                 self.sticky[method] = args
-            if method == "record" and len(args) == 4:
+            if method == "record" and len(args) >= 4:
                 self.retained.append((now, args))
         return ref
 
@@ -148,7 +148,7 @@ class SupervisorLink:
             self.call("record", args)
         # What failed and is not news kept above (numbered or not): sent again, in order.
         for _, method, args in sorted(failed.values(), key=lambda v: v[0]):
-            if method in STICKY or (method == "record" and len(args) == 4 and args[2:] in resent):
+            if method in STICKY or (method == "record" and args[2:4] in resent):
                 continue
             self.call(method, args)
         log.warning("the job's new supervisor has the replica's news again")

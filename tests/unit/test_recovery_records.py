@@ -79,6 +79,24 @@ def test_in_place_a_discarded_step_is_one_step_redone_and_a_join_is_measured() -
     assert figures["grow_pause_s"] == pytest.approx(1.0)  # the steps go on while it joins
 
 
+def test_a_supervisor_lost_in_place_pauses_nothing_and_in_restart_mode_redoes_steps() -> None:
+    # The supervisor is killed at t=11.5 and its successor speaks at t=14.2. In place the
+    # replicas train on (a step a second); in restart mode a new group starts from the
+    # checkpoint at step 10 at t=16.
+    in_place = steps("x", 1, 20, 3, 0.0)
+    figures = summarize(in_place, 0.0, 11.5, None, 20, BATCH, back_at=14.2)
+    assert figures["supervisor_back_s"] == pytest.approx(2.7)
+    assert figures["resumed_s"] == pytest.approx(3.5)  # step 16 at t=15
+    assert figures["pause_s"] == pytest.approx(1.0)
+    assert figures["steps_redone"] == 0 and "recovery_s" not in figures
+    restart = steps("a", 1, 12, 3, 0.0) + steps("b", 11, 20, 3, 16.0)
+    figures = summarize(restart, 0.0, 11.5, None, 20, BATCH, back_at=14.2)
+    assert figures["resumed_s"] == pytest.approx(4.5)
+    assert figures["pause_s"] == pytest.approx(5.0)  # step 12 at t=11 to step 11 at t=16
+    assert figures["steps_redone"] == 2
+    assert figures["samples_lost"] == figures["samples_doubled"] == 0
+
+
 def test_a_smaller_quorum_with_a_fixed_batch_per_replica_loses_samples() -> None:
     # torchft's way: 2 samples per replica, so 4 per step at 2 replicas, not 6.
     records = steps("t", 1, 12, 3, 0.0)

@@ -501,7 +501,7 @@ def test_a_recreated_supervisor_resumes_from_the_latest_checkpoint() -> None:
 def test_a_recreated_supervisor_adopts_the_attempt_its_predecessor_left_running() -> None:
     """In place, the replicas outlived the lost supervisor: the new one watches their attempt
     under its number, with no restart, no recovery and no state change; their news resent to
-    it is taken once, from past what the service had stored."""
+    it is taken once, from past what the service had stored, at the time it was sent."""
 
     async def body() -> None:
         h = Harness(
@@ -519,7 +519,7 @@ def test_a_recreated_supervisor_adopts_the_attempt_its_predecessor_left_running(
 
         def news(n: int) -> None:
             data = {"attempt": 39, "step": 24 + n, "world_size": 3}
-            h.loop.record("metrics", data, "replica-0", n)
+            h.loop.record("metrics", data, "replica-0", n, 900.0 + n)  # sent at 900 + n
 
         # Sent before the supervisor knew it would adopt the attempt: held until it does.
         news(6)
@@ -534,10 +534,8 @@ def test_a_recreated_supervisor_adopts_the_attempt_its_predecessor_left_running(
         for n in (4, 5, 7):  # 4 and 5 were stored from the lost supervisor
             news(n)
         assert [d["step"] for d in h.of("metrics")] == [30, 31]
-        assert [e["origin"] for e in h.log.pending if e["kind"] == "metrics"] == [
-            ["replica-0", 6],
-            ["replica-0", 7],
-        ]
+        shown = [(e["origin"], e["time"]) for e in h.log.pending if e["kind"] == "metrics"]
+        assert shown == [(["replica-0", 6], 906.0), (["replica-0", 7], 907.0)]
         h.runner.end(AttemptOutcome())
         await h.finish()
         assert h.states() == ["succeeded"] and h.loop.status()["step"] == 31
