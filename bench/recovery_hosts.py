@@ -10,6 +10,9 @@ that holds rank 1 is SIGKILLed (a machine lost); once the smaller world reaches
 GROW_AT_STEP, a host is added back. The modes alternate, each first in turn, --repeat times.
 The figures come from the same step records and summary as ``bench/recovery.py``'s.
 
+With ``--failure two-hosts``, a second host is killed 0.3 s after the first (one rack, one
+spot pool), and the figures run to the first step without both; one host is added back.
+
 With ``--failure supervisor``, the job's supervisor's process is SIGKILLed at that step
 instead (on the head's host, where supervisors run) and no host is lost: the service
 re-creates the supervisor. In place the replicas train on and the new one adopts them; in
@@ -50,7 +53,9 @@ from tests.hosts import HostCluster, bench_cluster, service
 MODES = ["restart", "in_place"]
 HEADERS = {"restart": "ours, restart", "in_place": "ours, in_place"}
 ENDED = ("succeeded", "failed", "cancelled")
-FAILURES = ("host", "supervisor")
+FAILURES = ("host", "two-hosts", "supervisor")
+# How long after the first host the second goes, with --failure two-hosts.
+APART_S = 0.3
 
 
 def supervisor_pid() -> int:
@@ -126,6 +131,12 @@ def run(
         os.kill(pid, signal.SIGKILL)
         return supervisor_figures(api, events, root / job_id, started, killed_at, mode)
     killed_at = victim.kill()
+    lost = 1
+    if failure == "two-hosts":
+        second = next(h for h in hosts.alive() if h is not victim)
+        time.sleep(max(0.0, killed_at + APART_S - time.time()))
+        second.kill()
+        lost = 2
     added_at = None
     while api.get(f"/v1/jobs/{job_id}").json()["state"] not in ENDED:
         seen = metrics_records(events())
@@ -141,15 +152,16 @@ def run(
     records = with_samples(metrics_records(items), root / job_id)
     if mode == "in_place":
         records = with_unreported_steps(records, root / job_id)
-    figures = summarize(records, started, killed_at, added_at, STEPS, BATCH)
+    figures = summarize(records, started, killed_at, added_at, STEPS, BATCH, lost=lost)
     if mode == "in_place":
-        lost = next(e["data"] for e in items if e["kind"] == "worker_lost")
+        # The last loss event of the failure: it spans the quorum changes before it.
+        losses = [e["data"] for e in items if e["kind"] == "worker_lost"]
         figures |= {
-            "reported_s": lost["recovery_seconds"],
-            "reported_pause_s": lost["pause_seconds"],
-            "reported_redone": lost["steps_redone"],
+            "reported_s": losses[-1]["recovery_seconds"],
+            "reported_pause_s": losses[-1]["pause_seconds"],
+            "reported_redone": sum(x["steps_redone"] for x in losses),
             # A step thrown away leaves no record (only committed steps are reported).
-            "steps_redone": lost["steps_redone"],
+            "steps_redone": sum(x["steps_redone"] for x in losses),
         }
     else:
         shrink = next(e["data"] for e in items if e["kind"] == "resized")
@@ -200,7 +212,11 @@ def main() -> None:
     finally:
         hosts.close()
     print()
-    lost = "a host" if args.failure == "host" else "the job's supervisor"
+    lost = {
+        "host": "a host",
+        "two-hosts": f"two hosts, {APART_S} s apart,",
+        "supervisor": "the job's supervisor",
+    }[args.failure]
     print(f"median (range) of {args.repeat} runs per mode, on 3 nodes that are hosts;")
     print(f"{lost} killed at step {KILL_AT_STEP}")
     print()

@@ -46,8 +46,10 @@ def summarize(
     steps: int,
     batch: int,
     back_at: float | None = None,
+    lost: int = 1,
 ) -> dict[str, float]:
-    """The table's figures for one run.
+    """The table's figures for one run; ``lost`` nodes were killed (a moment apart when
+    more than one), and "the smaller size" is the world without all of them.
 
     With ``back_at``, the kill was the job's supervisor's, and ``back_at`` when its successor
     said so (its ``supervisor_recreated`` event). The world does not shrink then: instead of
@@ -78,7 +80,7 @@ def summarize(
     world_at_kill = max(r.world for r in before if r.time == before[-1].time)
     out: dict[str, float]
     if back_at is None:
-        smaller = next(r for r in done if r.time > killed_at and r.world < world_at_kill)
+        smaller = next(r for r in done if r.time > killed_at and r.world <= world_at_kill - lost)
         out = {"recovery_s": smaller.time - killed_at}
     else:
         smaller = next(r for r in done if r.time > back_at)

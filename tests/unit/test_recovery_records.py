@@ -97,6 +97,17 @@ def test_a_supervisor_lost_in_place_pauses_nothing_and_in_restart_mode_redoes_st
     assert figures["samples_lost"] == figures["samples_doubled"] == 0
 
 
+def test_two_nodes_lost_a_moment_apart_count_until_the_world_without_both() -> None:
+    # Steps 1-12 at 3 (t=0..11), kills at 11.5 and 11.8; one step at 2 at t=12.0 (the
+    # second loss not noticed yet), a 1.5 s wait for the dead member, then steps at 1.
+    records = steps("x", 1, 12, 3, 0.0) + steps("x", 13, 13, 2, 12.0)
+    records += steps("x", 14, 20, 1, 13.5)
+    figures = summarize(records, 0.0, 11.5, None, 20, BATCH, lost=2)
+    assert figures["recovery_s"] == pytest.approx(2.0)
+    assert figures["pause_s"] == pytest.approx(1.5)
+    assert figures["samples_lost"] == figures["samples_doubled"] == 0
+
+
 def test_a_smaller_quorum_with_a_fixed_batch_per_replica_loses_samples() -> None:
     # torchft's way: 2 samples per replica, so 4 per step at 2 replicas, not 6.
     records = steps("t", 1, 12, 3, 0.0)
