@@ -58,7 +58,12 @@ def end_leftovers(supervisor: str, namespace: str, keep_attempt: int | None = No
     supervisor that started them must leave nothing training. Returns how many were ended."""
     ended = 0
     keep = None if keep_attempt is None else _attempt_prefix(supervisor, keep_attempt)
-    for name in _named_replicas(supervisor, namespace):
+    try:
+        names = _named_replicas(supervisor, namespace)
+    except Exception as e:  # the GCS busy or restarting: the next call ends them
+        log.warning("listing %s's replicas failed: %s", supervisor, e)
+        names = []
+    for name in names:
         if keep is not None and name.startswith(keep):
             continue
         with contextlib.suppress(Exception):
@@ -144,6 +149,16 @@ class InPlaceRunner:
         return await self._supervise(spec, runs, config, lighthouse.url)
 
     async def find_running(self) -> RunningAttempt | None:
+        try:
+            return await self._find_running()
+        except Exception:
+            # Not found, then: a new attempt shuts the job's lighthouse (the host keeps one
+            # per job), so a replica left running loses its quorum and ends.
+            log.exception("in place: looking for the attempt a lost supervisor left failed")
+            await asyncio.to_thread(end_leftovers, self.name, self.namespace)
+            return None
+
+    async def _find_running(self) -> RunningAttempt | None:
         try:
             self.host = await asyncio.to_thread(ray.get_actor, HOST_NAME, namespace=self.namespace)
             lighthouse = await self.host.find.remote(self.name)

@@ -56,7 +56,6 @@ class SupervisorLink:
         self.pending: dict[Any, tuple[float, str, tuple[Any, ...]]] = {}
         # (sent at, args) of the numbered news of the last RETAIN_S
         self.retained: collections.deque[tuple[float, tuple[Any, ...]]] = collections.deque()
-        self.switches = 0
         threading.Thread(target=self._watch, name="supervisor-link", daemon=True).start()
 
     def __getattr__(self, method: str) -> _Method:
@@ -130,13 +129,12 @@ class SupervisorLink:
     def _switch(self, why: BaseException) -> None:
         """The supervisor died: wait for its successor, then tell it again what it must know
         (each failed call goes again within that)."""
-        log.warning("the job's supervisor is gone (%s); waiting for a new one", why)
+        log.warning("the job's supervisor is gone (%s); waiting for a new one", type(why).__name__)
         handle = self._find(self.handle._actor_id, None)
         if handle is None:
             return
         with self.lock:
             self.handle = handle
-            self.switches += 1
             failed = self.pending
             self.pending = {}
             sticky, retained = dict(self.sticky), list(self.retained)
