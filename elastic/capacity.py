@@ -379,16 +379,21 @@ class MembershipWatcher:
         self.changed = asyncio.Event()
 
 
-def shared_watcher(namespace: str) -> Any:
-    """The cluster's one membership watcher and scheduler (a detached named actor on the head
-    node), started if it is not running."""
-    options = {
-        "name": WATCHER_NAME,
+def one_per_cluster(name: str, namespace: str) -> dict[str, Any]:
+    """Actor options for the cluster's one actor named ``name``: detached, on the head node,
+    and the running one if there is one."""
+    return {
+        "name": name,
         "namespace": namespace,
         "lifetime": "detached",
         "get_if_exists": True,
         **on_head_node(),
     }
+
+
+def shared_watcher(namespace: str) -> Any:
+    """The cluster's one membership watcher and scheduler, started if it is not running."""
+    options = one_per_cluster(WATCHER_NAME, namespace)
     return MembershipWatcher.options(**options).remote()  # type: ignore[attr-defined]
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from elastic.addresses import url_host
-from elastic.capacity import on_head_node
+from elastic.capacity import one_per_cluster
 
 HOST_NAME = "etrain-lighthouses"
 JOIN_TIMEOUT_MS = 1000
@@ -124,11 +124,5 @@ class LighthouseHost:
 
 def lighthouse_host(namespace: str) -> Any:
     """The cluster's lighthouse host, started if it is not running."""
-    options = {
-        "name": HOST_NAME,
-        "namespace": namespace,
-        "lifetime": "detached",
-        "get_if_exists": True,
-        **on_head_node(),
-    }
+    options = one_per_cluster(HOST_NAME, namespace)
     return LighthouseHost.options(**options).remote()  # type: ignore[attr-defined]

@@ -268,18 +268,10 @@ class Replica:
         if self.ctx is not None:
             self.ctx.timeline.expect_drain()
 
-    def run(
-        self,
-        config: dict[str, Any],
-        replica: int,
-        lighthouse: str,
-        timeout_s: float,
-        must_heal: bool,
-        starting: int = 1,
-    ) -> None:
-        """Train; how it ended is for ``result``."""
+    def run(self, *args: Any) -> None:
+        """Train (the arguments are ``_run``'s); how it ended is for ``result``."""
         try:
-            self.outcome = self._run(config, replica, lighthouse, timeout_s, must_heal, starting)
+            self.outcome = self._run(*args)
         except BaseException as e:
             self.outcome = e
         finally:
@@ -292,7 +284,7 @@ class Replica:
         lighthouse: str,
         timeout_s: float,
         must_heal: bool,
-        starting: int,
+        starting: int = 1,
     ) -> str:
         from elastic.in_place.context import InPlaceContext, LeftTheQuorum
         from elastic.in_place.supervisor_link import SupervisorLink
