@@ -277,7 +277,10 @@ def stop_supervisor(handle: Any, job_id: str, namespace: str) -> None:
 
 def end_attempt_leftovers(job_id: str, namespace: str) -> None:
     """In place, an attempt's replicas and lighthouse outlive its supervisor (a new one adopts
-    them): whatever is left of them is ended with the job."""
+    them): whatever is left of them is ended with the job. Not connected to Ray, there is
+    nothing to end (and Ray's calls would start a connection, to whatever cluster they find)."""
+    if not ray.is_initialized():
+        return
     from elastic.in_place.runner import end_leftovers
 
     end_leftovers(supervisor_name(job_id), namespace)

@@ -53,6 +53,9 @@ def test_a_job_logs_one_run_that_a_recreated_supervisor_continues(
     spec = small_job(gate=str(gate), hold_at_step=HOLD_AT, max_steps=STEPS)
     spec["workload"] = "tests.workloads.gated:train_loop"
     spec["name"] = "mlflow-job"
+    # Restart mode: its attempt dies with the supervisor, and the new one's attempt must find
+    # the job's run (in place, the new supervisor adopts the running attempt instead).
+    spec["fault_tolerance"] = "restart"
     client = mlflow.MlflowClient(tracking_uri=live.settings.mlflow_tracking_uri.get_secret_value())
     experiment = client.get_experiment_by_name(EXPERIMENT)
 
