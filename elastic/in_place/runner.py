@@ -52,11 +52,10 @@ def _named_replicas(supervisor: str, namespace: str, attempt: int | None = None)
     ]
 
 
-def end_leftovers(supervisor: str, namespace: str, keep_attempt: int | None = None) -> int:
+def end_leftovers(supervisor: str, namespace: str, keep_attempt: int | None = None) -> None:
     """End every replica of the job whose supervisor is ``supervisor`` (but attempt
     ``keep_attempt``'s) and its lighthouse: a job that ended, or restarts, without the
-    supervisor that started them must leave nothing training. Returns how many were ended."""
-    ended = 0
+    supervisor that started them must leave nothing training."""
     keep = None if keep_attempt is None else _attempt_prefix(supervisor, keep_attempt)
     try:
         names = _named_replicas(supervisor, namespace)
@@ -68,11 +67,9 @@ def end_leftovers(supervisor: str, namespace: str, keep_attempt: int | None = No
             continue
         with contextlib.suppress(Exception):
             ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
-            ended += 1
     if keep_attempt is None:
         with contextlib.suppress(Exception):
             ray.get(ray.get_actor(HOST_NAME, namespace=namespace).close.remote(supervisor))
-    return ended
 
 
 class InPlaceRunner:

@@ -74,16 +74,15 @@ class SupervisorLink:
                 self.retained.append((now, args))
         return ref
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until every call so far has reached a supervisor (a new one, if it died);
-        False when ``timeout_s`` ran out first."""
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every call so far has reached a supervisor (a new one, if it died), or
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self.lock:
                 if not self.pending:
-                    return True
+                    return
             time.sleep(WATCH_S / 2)
-        return False
 
     def close(self) -> None:
         self.closed.set()
