@@ -252,10 +252,13 @@ def report(
     pauses = []
     for i, fault in enumerate(faults):
         until = faults[i + 1].at if i + 1 < len(faults) else float("inf")
+        seen = len([e for e in chaos.losses(fault.at, until) if e["kind"] == "worker_lost"])
+        if max(stamp(e) for e in metrics) <= fault.at:  # drawn as the job took its last step
+            print(f"| {fault.kind} | {fault.host} | {fault.at - first:.0f} | after the end | - |")
+            continue
         pause = longest_pause_after(fault.at, metrics, 3.0)
         if fault.kind != "degrade":
             pauses.append(pause)
-        seen = len([e for e in chaos.losses(fault.at, until) if e["kind"] == "worker_lost"])
         print(f"| {fault.kind} | {fault.host} | {fault.at - first:.0f} | {pause:.2f} | {seen} |")
     print()
     if pauses:

@@ -85,25 +85,39 @@ def rank1_host(api: httpx.Client, hosts: HostCluster, job_id: str) -> Any:
 
 
 def with_unreported_steps(records: list[StepRecord], job_root: Path) -> list[StepRecord]:
-    """In place, the committed steps the sample audit holds and no report does: the quorum's
-    rank 0 reports each step, and one lost right after a commit takes that report with it
-    (the survivors hold the step, and every committing replica audits the whole batch).
-    Each is counted at the next reported step's time: it adds no pause."""
+    """The steps the sample audit holds and no report does. In place, the quorum's rank 0
+    reports each step, and one lost right after a commit takes that report with it (the
+    survivors hold the step, and every committing replica audits the whole batch). In
+    restart mode, a supervisor lost takes the reports in flight to it with it, while the
+    checkpoint the next attempt starts from holds their steps (each rank audits its share).
+    Each is counted at the time of a step its attempt reported: it adds no pause."""
     reported = {(r.attempt, r.step) for r in records}
+    last_report: dict[str, StepRecord] = {}
+    for r in records:
+        if r.attempt not in last_report or r.time > last_report[r.attempt].time:
+            last_report[r.attempt] = r
     audited: dict[tuple[str, int], list[int]] = {}
-    for f in (job_root / "samples").iterdir():
+    for f in sorted((job_root / "samples").iterdir()):
+        whole = "replica" in f.name
         for line in f.read_text().splitlines():
             r = json.loads(line)
-            audited.setdefault((str(r["a"]), r["s"]), r["i"])
+            key = (str(r["a"]), r["s"])
+            if whole:
+                audited.setdefault(key, r["i"])
+            else:
+                audited.setdefault(key, []).extend(r["i"])
     added = []
     for (attempt, step), indices in audited.items():
         if (attempt, step) in reported:
             continue
+        # The attempt's next reported step; after its last one (the reports died with a
+        # supervisor), its last reported step: a later attempt that redid the step then
+        # holds it in the final model, as it should.
         later = min(
             (r for r in records if r.attempt == attempt and r.step > step),
             key=lambda r: r.step,
             default=None,
-        )
+        ) or last_report.get(attempt)
         if later is not None:
             added.append(replace(later, step=step, indices=tuple(indices)))
     return sorted([*records, *added], key=lambda r: (r.time, r.step))
@@ -129,7 +143,7 @@ def run(
         pid = supervisor_pid()
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
-        return supervisor_figures(api, events, root / job_id, started, killed_at, mode)
+        return supervisor_figures(api, events, root / job_id, started, killed_at)
     killed_at = victim.kill()
     lost = 1
     if failure == "two-hosts":
@@ -175,7 +189,6 @@ def supervisor_figures(
     job_root: Path,
     started: float,
     killed_at: float,
-    mode: str,
 ) -> dict[str, float]:
     """The job ends; its figures, the span after the kill ending at the first step after
     the re-created supervisor's ``supervisor_recreated`` event."""
@@ -185,9 +198,7 @@ def supervisor_figures(
     assert final["state"] == "succeeded", final
     items = events()
     (note,) = [e for e in items if e["kind"] == "supervisor_recreated"]
-    records = with_samples(metrics_records(items), job_root)
-    if mode == "in_place":
-        records = with_unreported_steps(records, job_root)
+    records = with_unreported_steps(with_samples(metrics_records(items), job_root), job_root)
     attempts = sum(e["kind"] == "attempt_started" for e in items)
     figures = summarize(records, started, killed_at, None, STEPS, BATCH, stamp(note))
     return figures | {"attempts": float(attempts)}

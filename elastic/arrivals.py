@@ -9,7 +9,9 @@ the supervisor holds a call that arrives ahead of a gap until the gap fills (:cl
 
 A gap that does not fill within ``hold_s`` (a call lost with its dying process) is given up:
 what waited behind it goes on, and the missing call, should it come after all, goes on when
-it comes. Nothing is dropped here.
+it comes. A number that has already gone on comes again only when its sender could not
+tell whether the first call arrived (the supervisor was unavailable a moment): that one is
+dropped, as the repeat it is.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ DEFAULT_HOLD_S = 1.0
 class _Sender(Generic[Item]):
     next_n: int = 0
     held: dict[int, tuple[Item, float]] = field(default_factory=dict)
+    # The numbers below next_n that were given up on, as [start, end) ranges: the only ones
+    # below next_n that may still come.
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+
+    def fill(self, n: int) -> bool:
+        """Whether ``n`` is in a gap given up on (taken out of it), rather than a repeat."""
+        for i, (start, end) in enumerate(self.gaps):
+            if start <= n < end:
+                self.gaps[i : i + 1] = [r for r in ((start, n), (n + 1, end)) if r[0] < r[1]]
+                return True
+        return False
 
 
 class InOrder(Generic[Item]):
@@ -54,8 +67,8 @@ class InOrder(Generic[Item]):
     def accept(self, sender: str, n: int, item: Item) -> list[Item]:
         """The items this one releases, in order: none while an earlier number is missing."""
         s = self._senders.setdefault(sender, _Sender())
-        if n < s.next_n:  # late past a gap given up on, or sent again: it goes on now
-            return [item]
+        if n < s.next_n:  # late past a gap given up on: it goes on now; else a repeat
+            return [item] if s.fill(n) else []
         s.held[n] = (item, self.clock())
         return self._release_run(s)
 
@@ -92,7 +105,10 @@ class InOrder(Generic[Item]):
     def _give_up(cls, s: _Sender[Item]) -> list[Item]:
         if not s.held:
             return []
-        s.next_n = min(s.held)
+        first = min(s.held)
+        if s.next_n < first:
+            s.gaps.append((s.next_n, first))
+        s.next_n = first
         out = cls._release_run(s)
         return out + cls._give_up(s)
 

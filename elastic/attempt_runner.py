@@ -60,6 +60,10 @@ class AttemptRunner(Protocol):
         """End the running attempt now (its ``run`` then returns)."""
         ...
 
+    def failure_signalled(self) -> None:
+        """A worker of the running attempt reported that its loop failed."""
+        ...
+
     def leave(self, ranks: set[int]) -> set[int]:
         """In place only: these workers leave the running attempt (their nodes are
         draining) while the others train on. Returns those told."""

@@ -673,6 +673,7 @@ class JobLoop:
         completed = data.get("completed_step")
         if what == EventKind.FAILURE_SIGNAL:
             current.saw_failure(float(data.get("time") or self.clock()))
+            self.runner.failure_signalled()
             if completed is not None:
                 current.saw_step(int(completed), int(completed))
             return

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
@@ -46,6 +45,7 @@ from elastic.distributed import (
     unwrap,
     wrap_model,
 )
+from elastic.process_group import AttemptAbandoned, all_reduce
 from elastic.sampling import (
     SamplerPosition,
     advance,
@@ -592,7 +592,7 @@ class TrainContext:
                 totals[3] += len(idx)
         model.train()
         if self.world_size > 1:
-            dist.all_reduce(totals)
+            all_reduce(totals, self.worker.abandoned)
         result = {}
         if totals[1] > 0:
             result["eval_accuracy"] = float(totals[0] / totals[1])
@@ -611,7 +611,7 @@ class TrainContext:
         flag = torch.tensor([drain], dtype=torch.float64, device=self.device)
         totals = torch.cat([self._totals.to(self.device, torch.float64), flag])
         if self.world_size > 1:
-            dist.all_reduce(totals)
+            all_reduce(totals, self.worker.abandoned)
         if self.rank == 0:
             assert self.scheduler is not None
             global_batch = self._step_global_batch
@@ -644,7 +644,7 @@ class TrainContext:
             pause = self.worker.should_pause(self.step)
         if self.world_size > 1 and self.step < last_step:
             flag = torch.tensor([1.0 if pause else 0.0], device=self.device)
-            dist.all_reduce(flag)
+            all_reduce(flag, self.worker.abandoned)
             pause = bool(flag.item() > 0)
         if pause or self.step == last_step:
             # The next attempt starts from this checkpoint: it must be published first.
@@ -674,6 +674,8 @@ def run_with_context(
         ctx.checkpoints.wait()
     except PausedForResize:
         return
+    except AttemptAbandoned:
+        raise  # the supervisor knows already: the failure was another worker's
     except Exception:
         if ctx.world_size > 1:
             # This worker's first sign that the attempt failed (most often a collective

@@ -13,29 +13,67 @@ own (a warm worker outlives its attempts: see ``elastic/warm_pool.py``).
 from __future__ import annotations
 
 import datetime
+import json
 import socket
+import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from elastic.group_sockets import GroupSockets, listening_since, own_sockets
 
-def bound_store(host: str, world_size: int, timeout_s: float) -> tuple[Any, socket.socket]:
-    """A master ``TCPStore`` listening on ``host`` only, and the socket under it (which
-    must live as long as the store)."""
+# Where each rank tells the attempt's store which ports it listens on for the group.
+PORTS_KEY = "elastic/group-ports"
+
+# How often a collective waiting on its peers looks whether its attempt was given up.
+ABANDON_POLL_S = 0.05
+
+
+class AttemptAbandoned(Exception):
+    """The supervisor gave up on this worker's attempt (it failed elsewhere): a collective
+    still waiting on a peer was left rather than waited out."""
+
+
+def all_reduce(tensor: torch.Tensor, abandoned: threading.Event, group: Any = None) -> None:
+    """``dist.all_reduce`` in place, given up (:class:`AttemptAbandoned`) once ``abandoned``
+    is set. A Gloo peer that left a failed attempt keeps its sockets open for as long as
+    anything in its process holds its group, and DDP's logger holds it in C++ for the
+    process's life: a peer waiting on it would wait out the collective timeout. Tensors on
+    an accelerator go the plain way, since NCCL's futures complete on the stream."""
+    if abandoned.is_set():
+        raise AttemptAbandoned("the attempt failed elsewhere")
+    if tensor.device.type != "cpu":
+        dist.all_reduce(tensor, group=group)
+        return
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    while not done.wait(ABANDON_POLL_S):
+        if abandoned.is_set():
+            raise AttemptAbandoned("the attempt failed elsewhere: a collective was left waiting")
+    work.wait()  # raises the collective's own error, if it failed
+
+
+def bound_store(host: str, world_size: int, timeout_s: float) -> Any:
+    """A master ``TCPStore`` listening on ``host`` only. The store owns its listening
+    socket and closes it when it is destroyed: nothing here may close that descriptor too,
+    or a second close could hit whatever socket reused its number meanwhile."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.bind((host, 0))
     listener.listen(max(128, world_size))
-    store = dist.TCPStore(
+    port = int(listener.getsockname()[1])
+    return dist.TCPStore(
         host,
-        int(listener.getsockname()[1]),
+        port,
         world_size,
         is_master=True,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
-        master_listen_fd=listener.fileno(),
+        master_listen_fd=listener.detach(),
     )
-    return store, listener
 
 
 def join_process_group(
@@ -46,15 +84,23 @@ def join_process_group(
     port: int,
     timeout_s: float,
     master_store: Any = None,
-) -> None:
+) -> GroupSockets:
     """Join the attempt's process group: rank 0 through the store it opened
-    (``master_store``), the others as clients of it."""
+    (``master_store``), the others as clients of it. Returns the group's sockets in this
+    process, to shut when the attempt fails (``elastic/group_sockets.py``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         assert master_store is not None, "rank 0 hosts the store"
         store = master_store
     else:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    before = set(own_sockets())
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
+    ours = listening_since(before)
+    store.set(f"{PORTS_KEY}/{rank}", json.dumps(sorted(ours)))
+    group = {(host, port)}
+    for other in range(world_size):
+        group |= {(ip, p) for ip, p in json.loads(store.get(f"{PORTS_KEY}/{other}"))}
+    return GroupSockets(frozenset(ours), frozenset(group))

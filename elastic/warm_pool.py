@@ -32,6 +32,7 @@ import contextlib
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -44,8 +45,9 @@ import ray
 from elastic.arrivals import Outbox
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec, RunningAttempt, last_line, resolve
+from elastic.group_sockets import GroupSockets
 from elastic.in_place.orphan import die_with_parent
-from elastic.worker_logs import forward_output
+from elastic.worker_logs import FLUSH_S, forward_output
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,17 @@ log = logging.getLogger(__name__)
 # other workers' runs may take to end: a survivor's loop raises at its next collective, and
 # the call to a worker on a dead node fails once Ray gives up on its connection.
 SETTLE_S = 5.0
-# At an attempt's first failure every worker still running is asked whether its process
-# answers: one that does not within PING_S is counted dead (its node lost) and killed. One
-# whose run did not end within SETTLE_S is asked again, and killed whatever it answers.
+# From an attempt's first failure, the workers still running are asked in rounds,
+# PING_EVERY_S apart, whether their process answers, until their runs end: a second node can
+# die a moment after the first (one rack, one spot pool), after its worker answered the first
+# round. A live worker's second thread answers in milliseconds, so one that has not answered
+# within ANSWER_FACTOR times the slowest answer seen (at least PING_MIN_S) is counted dead
+# (its node lost) and killed; with no answer to compare with, PING_S. One whose run did not
+# end within SETTLE_S is asked again, and killed whatever it answers.
 PING_S = 1.5
+PING_MIN_S = 0.6
+ANSWER_FACTOR = 4.0
+PING_EVERY_S = 0.1
 # How long a worker's run waits, after its loop ended, for a checkpoint write in flight
 # (the next attempt must not start beside an old writer); past it the worker is replaced.
 WRITER_WAIT_S = 10.0
@@ -98,6 +107,10 @@ class WarmWorker:
         from elastic.addresses import bind_gloo_to
 
         self.store: Any = None
+        self.training_thread: int | None = None  # while a run goes on
+        self.attempt: int | None = None  # the latest run's
+        self.abandoned = threading.Event()  # the latest run's: see ``abandon``
+        self.group: GroupSockets | None = None  # the latest run's, once it joined its group
         # Its node's raylet gone, it ends at once (not at Ray's check a second later): the
         # survivors' collectives fail now, and the attempt ends on that.
         die_with_parent()
@@ -118,6 +131,35 @@ class WarmWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def abandon(self, attempt: int) -> None:
+        """The supervisor gave up on ``attempt`` (a worker of it failed or died): the
+        collectives still waiting give up now, whatever they wait on. A peer whose node
+        froze or vanished sends nothing, not even a reset, so a wait on it would otherwise
+        last until the collective timeout. Word of an earlier attempt is ignored."""
+        if self.attempt == attempt:
+            self.abandoned.set()  # before the group is read: see ``run``
+            group = self.group
+            if group is not None:
+                group.shut()
+
+    def where(self, rank: int, after_s: float) -> str:
+        """Where this worker's training thread is, as a stack, also printed into the job's
+        log: asked of a run that did not end ``after_s`` after its attempt failed, before it
+        is killed. It returns once the log forwarder has sent the lines on."""
+        thread = self.training_thread
+        frame = None if thread is None else sys._current_frames().get(thread)
+        if frame is None:
+            return ""
+        stack = "".join(traceback.format_stack(frame))
+        print(
+            f"[elastic-train] rank {rank} did not end within {after_s:g} s of the attempt's "
+            f"failure; its training thread is at:\n{stack}",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(FLUSH_S + 0.2)
+        return stack
+
     def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         """Rank 0 of an attempt: a fresh rendezvous store on this node's Ray address."""
         from elastic.process_group import bound_store
@@ -125,14 +167,12 @@ class WarmWorker:
         self._close_store()
         host = ray.util.get_node_ip_address()
         self.store = bound_store(host, world_size, timeout_s)
-        return host, int(self.store[0].port)
+        return host, int(self.store.port)
 
     def _close_store(self) -> None:
-        if self.store is not None:
-            _, listener = self.store
-            self.store = None
-            with contextlib.suppress(OSError):
-                listener.close()
+        """The store closes its socket when the last reference to it goes (see
+        ``bound_store``); a process group that outlives its attempt keeps it open."""
+        self.store = None
 
     def run(
         self,
@@ -151,7 +191,7 @@ class WarmWorker:
         import torch.distributed as dist
 
         from elastic.loop import run_with_context
-        from elastic.process_group import join_process_group
+        from elastic.process_group import AttemptAbandoned, join_process_group
         from elastic.worker import WorkerContext
 
         meta = config["_elastic"]
@@ -165,32 +205,42 @@ class WarmWorker:
             ]
 
         result: dict[str, Any] = {"error": None, "failed_at": None, "clean": True}
+        self.training_thread = threading.get_ident()
+        abandoned = self.abandoned = threading.Event()
+        self.attempt, self.group = meta["attempt"], None
         try:
             with forward_output(send):
                 try:
-                    master = self.store[0] if rank == 0 and self.store else None
-                    join_process_group(
+                    master = self.store if rank == 0 else None
+                    self.group = join_process_group(
                         backend, rank, world_size, host, port, timeout_s, master_store=master
                     )
+                    if abandoned.is_set():  # given up while it joined: see ``abandon``
+                        self.group.shut()
                     worker = WorkerContext.from_config(config, rank, world_size, _device())
+                    worker.abandoned = abandoned
                     run_with_context(resolve(meta["train_loop"]), config, worker)
+                except AttemptAbandoned:
+                    pass  # the attempt's failure is another worker's to report
                 except Exception as e:
-                    result["failed_at"] = time.time()
+                    result["failed_at"] = time.time()  # before its peers fail because of it
+                    # Peers waiting on this worker in a collective fail now, rather than at
+                    # the collective timeout: its group's sockets stay open otherwise
+                    # (elastic/group_sockets.py).
+                    if self.group is not None:
+                        self.group.shut()
                     text = last_line(str(e))
                     result["error"] = f"{type(e).__name__}: {text}" if text else type(e).__name__
                     traceback.print_exc()  # into the job's log
                 finally:
-                    # Leaving the group also frees peers blocked on this worker: their
-                    # collectives fail now rather than at the collective timeout.
                     with contextlib.suppress(Exception):
                         if dist.is_initialized():
                             dist.destroy_process_group()
-                    # The group's sockets close only when nothing holds it (DDP does, from
-                    # the failed loop's frames): a peer waiting on this worker fails now.
                     gc.collect()
                     self._close_store()
                     result["clean"] = _writers_done(WRITER_WAIT_S)
         finally:
+            self.training_thread = None
             with contextlib.suppress(Exception):
                 ray.get(last_sent, timeout=LOG_FLUSH_S)
             gc.collect()
@@ -213,7 +263,10 @@ class Member:
 class Ending:
     """How an attempt's runs ended, rank by rank, as they came in."""
 
-    errors: list[tuple[int, str]] = field(default_factory=list)  # in the order they came
+    # (when it failed, rank, what it said). The earliest names the attempt's failure: a
+    # worker that fails shuts its group's connections, so its peers fail a moment later
+    # and their runs, quicker to return, may come back first.
+    errors: list[tuple[float, int, str]] = field(default_factory=list)
     dead: set[int] = field(default_factory=set)
     failed_at: float | None = None  # monotonic: the first failure the runner saw
 
@@ -225,7 +278,7 @@ class Ending:
         if stopped:
             return AttemptOutcome(None, sorted(self.dead))
         if self.errors:
-            rank, text = self.errors[0]
+            _, rank, text = min(self.errors, key=lambda e: e[0])
             return AttemptOutcome(f"rank {rank}: {text}"[:1000], sorted(self.dead))
         if self.dead:
             rank = min(self.dead)
@@ -243,6 +296,35 @@ def choose_warm(
     stays where it was), and which go: those on ``avoid`` and those beyond ``size``."""
     usable = [m for m in idle if m.node not in avoid]
     return usable[:size], [m for m in idle if m.node in avoid] + usable[size:]
+
+
+@dataclass
+class PingRounds:
+    """The rounds of pings after an attempt's failure (see PING_EVERY_S)."""
+
+    sent_at: float | None = None  # monotonic: the current round's
+    answers: list[float] = field(default_factory=list)  # seconds each answer took
+
+    def due(self, now: float, pending: bool) -> bool:
+        return not pending and (self.sent_at is None or now >= self.sent_at + PING_EVERY_S)
+
+    def sent(self, now: float) -> None:
+        self.sent_at = now
+
+    def answered(self, now: float) -> None:
+        assert self.sent_at is not None
+        self.answers.append(now - self.sent_at)
+
+    def dead_after(self) -> float:
+        """When a ping of the current round still unanswered means its worker is dead."""
+        assert self.sent_at is not None
+        if not self.answers:
+            return self.sent_at + PING_S
+        return self.sent_at + min(PING_S, max(PING_MIN_S, ANSWER_FACTOR * max(self.answers)))
+
+    def next_wake(self, pending: bool) -> float:
+        assert self.sent_at is not None
+        return self.dead_after() if pending else self.sent_at + PING_EVERY_S
 
 
 def settle_deadline(failed_at: float | None, settle_s: float = SETTLE_S) -> float | None:
@@ -263,6 +345,8 @@ class WarmPoolRunner:
         self.closed = False
         self.stop_deadline: float | None = None  # monotonic: when stopped runs are killed
         self.stopped = asyncio.Event()
+        self.ending: Ending | None = None  # the running attempt's
+        self.signalled = asyncio.Event()  # a worker of it reported a failure
 
     # -- what the loop asks ------------------------------------------------------------------
 
@@ -289,6 +373,15 @@ class WarmPoolRunner:
         for member in list(self.busy.values()):
             if member.node is None:  # still starting: nothing of it to keep warm
                 self._kill(member)
+
+    def failure_signalled(self) -> None:
+        """A worker of the running attempt said its loop failed (a collective lost a peer):
+        the attempt's failure starts now, not when that worker's run returns, which it does
+        only after its last checkpoint write and log lines are through (over a second on a
+        busy machine). So the others are pinged from here on."""
+        if self.ending is not None and not self.stopping:
+            self.ending.failed(time.monotonic())
+            self.signalled.set()
 
     def let_go(self) -> None:
         """Between attempts: every idle worker goes, and its slot with it (the scheduler
@@ -343,9 +436,10 @@ class WarmPoolRunner:
         self.stopping = False
         self.stop_deadline = None
         self.stopped = asyncio.Event()
+        self.signalled = asyncio.Event()
         members = self._take(spec.world_size, spec.avoid)
         self.busy = dict(enumerate(members))
-        ending = Ending()
+        ending = self.ending = Ending()
         try:
             if await self._warm_up(ending):
                 await self._train(spec, ending)
@@ -353,6 +447,7 @@ class WarmPoolRunner:
             for member in self.busy.values():  # not ended in time, or stopped
                 self._kill(member)
             self.busy = {}
+            self.ending = None
         return ending.outcome(self.stopping)
 
     async def _warm_up(self, ending: Ending) -> bool:
@@ -414,28 +509,46 @@ class WarmPoolRunner:
             for rank, m in self.busy.items()
         }
         stop = asyncio.ensure_future(self.stopped.wait())
+        signalled = asyncio.ensure_future(self.signalled.wait())
         try:
-            await self._watch_runs(runs, stop, ending)
+            await self._watch_runs(runs, {stop, signalled}, ending, spec.attempt)
         finally:
             stop.cancel()
+            signalled.cancel()
         if runs and not self.stopping:
             await self._classify_stuck(set(runs.values()), ending)
+        elif runs and ending.failed_at is not None:
+            # Stopped after a failure (Ray's membership saw the node leave first): the runs
+            # still going are stuck as above, and what in goes into the job's log too.
+            stuck_s = round(time.monotonic() - ending.failed_at, 1)
+            for rank, stack in (await self._tell_where(set(runs.values()), stuck_s)).items():
+                log.warning("worker %s is stuck at:\n%s", rank, stack)
 
     async def _watch_runs(
         self,
         runs: dict[asyncio.Future[Any], int],
-        stop: asyncio.Future[Any],
+        wakes: set[asyncio.Future[Any]],
         ending: Ending,
+        attempt: int,
     ) -> None:
-        """Until every run ended, or the bound after a failure or a stop passed."""
+        """Until every run ended, or the bound after a failure or a stop passed; ``wakes``
+        (a stop, a worker's failure signal) end a wait, once each."""
         pings: dict[int, asyncio.Future[Any]] = {}
-        ping_deadline: float | None = None
+        rounds = PingRounds()
+        abandoned = False
         while runs:
-            if ending.failed_at is not None and ping_deadline is None and not self.stopping:
-                # The first failure: is each worker still running alive? A dead one's call
-                # may fail only once Ray learns of its node's death (seconds); its ping
-                # gets no answer at once.
-                ping_deadline = time.monotonic() + PING_S
+            if not abandoned and (ending.failed_at is not None or self.stopping):
+                # The attempt is over: the runs still going leave the collectives they wait
+                # in, rather than wait on a peer that failed and left.
+                abandoned = True
+                for rank in runs.values():
+                    with contextlib.suppress(Exception):
+                        self.busy[rank].actor.abandon.remote(attempt)
+            pinging = ending.failed_at is not None and not self.stopping
+            if pinging and rounds.due(time.monotonic(), bool(pings)):
+                # Is each worker still running alive? A dead one's call may fail only once
+                # Ray learns of its node's death (seconds); its ping gets no answer at once.
+                rounds.sent(time.monotonic())
                 pings = {
                     rank: asyncio.ensure_future(_awaited(self.busy[rank].actor.ping.remote()))
                     for rank in runs.values()
@@ -443,10 +556,10 @@ class WarmPoolRunner:
             deadlines = [
                 d for d in (settle_deadline(ending.failed_at), self.stop_deadline) if d is not None
             ]
-            if pings and ping_deadline is not None:
-                deadlines.append(ping_deadline)
+            if pinging and rounds.sent_at is not None:
+                deadlines.append(rounds.next_wake(bool(pings)))
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            waiting = {*runs, *pings.values()} | (set() if stop.done() else {stop})
+            waiting = {*runs, *pings.values()} | {w for w in wakes if not w.done()}
             done, _ = await asyncio.wait(
                 waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
@@ -460,7 +573,8 @@ class WarmPoolRunner:
                     ping.cancel()
                 elif ping.done() and ping.exception() is None:
                     del pings[rank]  # alive: its run ends by itself, within SETTLE_S
-                elif ping.done() or time.monotonic() >= (ping_deadline or 0.0):
+                    rounds.answered(time.monotonic())
+                elif ping.done() or time.monotonic() >= rounds.dead_after():
                     del pings[rank]
                     ping.cancel()
                     log.warning(
@@ -493,12 +607,12 @@ class WarmPoolRunner:
             return
         except ray.exceptions.RayError as e:  # our own code failed in the worker
             log.warning("worker %s (pid %s) failed: %s", rank, member.pid, e)
-            ending.errors.append((rank, last_line(str(e)) or type(e).__name__))
+            ending.errors.append((time.time(), rank, last_line(str(e)) or type(e).__name__))
             ending.failed(time.monotonic())
             self._kill(self.busy.pop(rank))
             return
         if result["error"] is not None:
-            ending.errors.append((rank, result["error"]))
+            ending.errors.append((result["failed_at"] or time.time(), rank, result["error"]))
             ending.failed(time.monotonic())
         if result["clean"]:
             self._return_finished({rank})
@@ -514,18 +628,36 @@ class WarmPoolRunner:
             for rank in ranks
         }
         await asyncio.wait(pings.values(), timeout=PING_S)
+        alive = {r for r, ping in pings.items() if ping.done() and ping.exception() is None}
+        stacks = await self._tell_where(alive, SETTLE_S)
         for rank, ping in pings.items():
-            answered = ping.done() and ping.exception() is None
-            if not answered:
+            if rank not in alive:
                 ending.dead.add(rank)
             log.warning(
-                "worker %s (pid %s) did not end within %s s of the attempt's failure%s",
+                "worker %s (pid %s) did not end within %s s of the attempt's failure%s%s",
                 rank,
                 self.busy[rank].pid,
                 SETTLE_S,
-                "" if answered else ", nor answers: counted dead",
+                "" if rank in alive else ", nor answers: counted dead",
+                f"; its training thread is at:\n{stacks[rank]}" if rank in stacks else "",
             )
             ping.cancel()
+
+    async def _tell_where(self, ranks: set[int], after_s: float) -> dict[int, str]:
+        """Live workers whose runs are stuck (most often in a collective): each one's training
+        thread's stack, which it also prints into the job's log."""
+        asked = {
+            rank: asyncio.ensure_future(_awaited(self.busy[rank].actor.where.remote(rank, after_s)))
+            for rank in ranks
+        }
+        if asked:
+            await asyncio.wait(asked.values(), timeout=PING_S + FLUSH_S)
+        stacks = {}
+        for rank, answer in asked.items():
+            if answer.done() and answer.exception() is None and answer.result():
+                stacks[rank] = answer.result()
+            answer.cancel()
+        return stacks
 
 
 async def _awaited(ref: Any) -> Any:

@@ -43,6 +43,9 @@ class WorkerContext:
     mlflow: mlflow_log.MlflowLog | None = None
     checkpoints: CheckpointDir = field(init=False)
     outbox: Outbox | None = field(init=False)
+    # Set by the supervisor's word that the attempt failed elsewhere: collectives still
+    # waiting give up (elastic.process_group.all_reduce).
+    abandoned: threading.Event = field(default_factory=threading.Event, init=False)
     _drain_noticed: threading.Event = field(default_factory=threading.Event, init=False)
     _closed: threading.Event = field(default_factory=threading.Event, init=False)
 

@@ -93,6 +93,10 @@ def unavailable() -> str | None:
     return None
 
 
+# How long a host's kill goes on killing what is left in its namespace.
+KILL_ROUNDS_S = 10.0
+
+
 def pids_in(netns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
@@ -111,11 +115,16 @@ class Host:
 
     def kill(self) -> float:
         """Every process of the node SIGKILLed at once (a machine lost); returns the time of
-        the kill (``time.time()``)."""
+        the kill (``time.time()``). Killed again until none is left: a process forked while
+        the others were listed (a raylet thawed a moment before starts a worker) would
+        outlive the first round."""
         at = time.time()
-        for pid in pids_in(self.netns):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        deadline = at + KILL_ROUNDS_S
+        while (pids := pids_in(self.netns)) and time.time() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
         return at
 
     @property

@@ -35,9 +35,12 @@ HEARTBEAT_INTERVAL = timedelta(milliseconds=50)
 # a moment apart) never comes: the others give that quorum up after this, the step is
 # redone, and the next quorum is without it (before, they waited the collective timeout:
 # 30 s, 64 s seen). The members of such a quorum are replicas that were training a moment
-# before, late by their scheduling delay only. A quorum that grows keeps the collective
-# timeout: a joiner that has just started can be seconds late on a busy machine.
-RENDEZVOUS_TIMEOUT = timedelta(seconds=1.5)
+# before, late by their scheduling delay only; one later than this (a starved process)
+# fails the try for all, and each try after a failed one waits twice as long, so the same
+# members, all still heard by the lighthouse, form it at a later try. A quorum that grows
+# keeps the collective timeout: a joiner that has just started can be seconds late on a
+# busy machine.
+RENDEZVOUS_TIMEOUT = timedelta(seconds=0.5)
 
 
 def make_manager(
@@ -49,17 +52,37 @@ def make_manager(
     timeout_s: float,
     host: str,
 ) -> Any:
+    from elastic.addresses import bind_gloo_to
+
+    bind_gloo_to(host)
+    # Open before the Manager's first beat makes this replica heard (ExtraHeartbeats).
+    beats = ExtraHeartbeats(lighthouse, HEARTBEAT_INTERVAL)
+    beats.opened()
+    try:
+        return _beating_manager(load, save, beats, lighthouse, replica_id, timeout_s, host)
+    except BaseException:
+        beats.stop()
+        raise
+
+
+def _beating_manager(
+    load: Any,
+    save: Any,
+    beats: ExtraHeartbeats,
+    lighthouse: str,
+    replica_id: str,
+    timeout_s: float,
+    host: str,
+) -> Any:
     import torch
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.manager import Manager
 
-    from elastic.addresses import bind_gloo_to
     from elastic.process_group import bound_store
 
-    bind_gloo_to(host)
     timeout = timedelta(seconds=timeout_s)
     # The replica group's own store (a group of one): loopback only.
-    store, listener = bound_store("127.0.0.1", 1, timeout_s)
+    store = bound_store("127.0.0.1", 1, timeout_s)
     pg = node_bound_gloo(host, timeout)
     with _manager_server_bound_to(host):
         manager = Manager(
@@ -87,21 +110,20 @@ def make_manager(
             checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
             init_sync=False,  # every replica builds the model from the same seed
         )
-    manager._elastic_store = (store, listener)  # kept alive with the manager
+    manager._elastic_store = store  # kept alive with the manager
     manager._client = QuorumMembers(manager._client)
     _forget_failed_quorums(manager)
-    _beat_over_more_connections(manager, store, lighthouse)
+    _beat_over_more_connections(manager, store, beats)
     return manager
 
 
-def _beat_over_more_connections(manager: Any, store: Any, lighthouse: str) -> None:
+def _beat_over_more_connections(manager: Any, store: Any, beats: ExtraHeartbeats) -> None:
     """Heartbeats over connections besides the Manager's (elastic/in_place/heartbeats.py),
     for the id it registered; they stop when the Manager does: a replica that leaves must
     go silent."""
     from torchft.manager import REPLICA_ID_KEY
 
-    full_id = store.get(REPLICA_ID_KEY).decode()
-    beats = ExtraHeartbeats(lighthouse, full_id, HEARTBEAT_INTERVAL).start()
+    beats.start(store.get(REPLICA_ID_KEY).decode())
     shutdown = manager.shutdown
 
     def shutdown_and_go_silent(wait: bool = True) -> None:
@@ -153,6 +175,12 @@ def _manager_server_bound_to(host: str) -> Iterator[None]:
         torchft_manager.ManagerServer = server
 
 
+def rendezvous_timeout(failed_tries: int, collective: timedelta) -> timedelta:
+    """A shrunk quorum's rendezvous wait after ``failed_tries`` failed tries in a row:
+    RENDEZVOUS_TIMEOUT, doubled for each, never more than the collective timeout."""
+    return min(RENDEZVOUS_TIMEOUT * (1 << min(failed_tries, 16)), collective)
+
+
 def node_bound_gloo(host: str, timeout: timedelta) -> Any:
     import torch
     from torchft.process_group import ProcessGroupGloo
@@ -161,39 +189,37 @@ def node_bound_gloo(host: str, timeout: timedelta) -> Any:
     from elastic.process_group import bound_store
 
     class NodeBoundGloo(ProcessGroupGloo):  # type: ignore[misc]
+        _formed_size = 0  # of the last quorum whose group formed
+        _failed_tries = 0  # of forming a group, since the last that formed
+
         def get_reconfigure_handle(self) -> str:
             store: Any = self._rendezvous_store  # type: ignore[has-type]
             if store is None:
-                store, self._rendezvous_listener = bound_store(host, 1, timeout.total_seconds())
+                store = bound_store(host, 1, timeout.total_seconds())
                 self._rendezvous_store = store
             handle = json.loads(super().get_reconfigure_handle())
             handle["store"] = f"{url_host(host)}:{store.port}"
             return json.dumps(handle)
 
         def reconfigure(self, opts: Any) -> Any:
-            """The quorum's group, formed within RENDEZVOUS_TIMEOUT when the quorum shrank;
-            its collectives keep the collective timeout."""
+            """The quorum's group, formed within the rendezvous timeout when the quorum
+            shrank (see RENDEZVOUS_TIMEOUT); its collectives keep the collective timeout."""
             size = len(opts.handles)
-            if size < getattr(self, "_formed_size", 0):
-                self._timeout = RENDEZVOUS_TIMEOUT
+            if size < self._formed_size:
+                self._timeout = rendezvous_timeout(self._failed_tries, timeout)
             try:
                 work = super().reconfigure(opts)
             except BaseException:
                 # A retry of the same members must not read this try's keys: every member
                 # failed with it, and each one's next handle names a fresh store.
-                self._drop_rendezvous_store()
+                self._rendezvous_store = None
+                self._failed_tries += 1
                 raise
             finally:
                 self._timeout = timeout
             self._pg._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
-            self._formed_size = size
+            self._formed_size, self._failed_tries = size, 0
             return work
-
-        def _drop_rendezvous_store(self) -> None:
-            listener = getattr(self, "_rendezvous_listener", None)
-            self._rendezvous_store = None
-            if listener is not None:
-                listener.close()
 
     return NodeBoundGloo(timeout=timeout)
 
@@ -207,19 +233,23 @@ START_TOGETHER_S = 60.0
 def wait_for_starters(lighthouse: str, starting: int, timeout_s: float) -> int:
     """Until ``starting`` replicas heartbeat to the lighthouse (or ``timeout_s``: one that
     never comes is a joiner later); returns how many it saw."""
-    from elastic.in_place.watchdog import read_ages
+    from elastic.in_place.watchdog import LighthouseStatus
 
     deadline = time.monotonic() + timeout_s
     live = 0
-    while True:
-        try:
-            ages = read_ages(lighthouse)
-            live = sum(age < HEARTBEAT_TIMEOUT_MS / 1000 for age in ages.values())
-        except OSError:
-            pass
-        if live >= starting or time.monotonic() > deadline:
-            return live
-        time.sleep(0.05)
+    status = LighthouseStatus(lighthouse)
+    try:
+        while True:
+            try:
+                ages = status.ages()
+                live = sum(age < HEARTBEAT_TIMEOUT_MS / 1000 for age in ages.values())
+            except OSError:
+                pass
+            if live >= starting or time.monotonic() > deadline:
+                return live
+            time.sleep(0.05)
+    finally:
+        status.close()
 
 
 # How long a replica that ends waits for its last log lines to reach the supervisor.

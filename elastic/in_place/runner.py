@@ -27,7 +27,7 @@ from elastic.in_place.fence import fence
 from elastic.in_place.lighthouse import HOST_NAME, lighthouse_host
 from elastic.in_place.members import replica_id
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
-from elastic.in_place.watchdog import POLL_S, LossDetector, read_ages
+from elastic.in_place.watchdog import POLL_S, LighthouseStatus, LossDetector
 
 log = logging.getLogger(__name__)
 
@@ -282,12 +282,21 @@ class InPlaceRunner:
         reset, and tell every other replica to discard the step in flight. Ray's own word
         (the actor's death) comes seconds later, and not at all for a frozen process."""
         detector = LossDetector(HEARTBEAT_TIMEOUT_MS / 1000)
+        status = LighthouseStatus(lighthouse)
+        try:
+            await self._watch_ages(status, detector, supervisor)
+        finally:
+            status.close()
+
+    async def _watch_ages(
+        self, status: LighthouseStatus, detector: LossDetector, supervisor: str
+    ) -> None:
         while True:
             await asyncio.sleep(POLL_S)
             try:
-                ages = await asyncio.to_thread(read_ages, lighthouse)
+                ages = await asyncio.to_thread(status.ages)
             except OSError as e:
-                log.warning("in-place watch: lighthouse status unreadable: %s", e)
+                log.warning("in-place watch: %s", e)
                 continue
             ids = {
                 replica_id(supervisor, index): index
@@ -353,6 +362,9 @@ class InPlaceRunner:
     def _close_lighthouse(self) -> None:
         if self.host is not None:
             self.host.close.remote(self.name, self.attempt)
+
+    def failure_signalled(self) -> None:
+        """Replicas report no loop failure: a failed step is redone by the next quorum."""
 
     def stop(self) -> None:
         self.stopped.set()

@@ -98,9 +98,13 @@ class SupervisorLink:
                 continue
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
             died = None
+            unsure = []
             for ref in ready:
                 try:
                     ray.get(ref, timeout=0)
+                except ray.exceptions.ActorUnavailableError:
+                    unsure.append(ref)  # not dead: unreachable a moment (checked first: a
+                    continue  # subclass of RayActorError)
                 except ray.exceptions.RayActorError as e:
                     died = e
                     continue
@@ -110,6 +114,23 @@ class SupervisorLink:
                     self.pending.pop(ref, None)
             if died is not None:
                 self._switch(died)
+            elif unsure:
+                self._again(unsure)
+
+    def _again(self, refs: list[Any]) -> None:
+        """Calls that may or may not have reached a supervisor that is still alive: sent
+        again to it. Its news is numbered, and a number it already has is dropped as a
+        repeat (elastic/arrivals.py); the other calls say who the replica is, which is the
+        same said twice. Should it have died meanwhile, the repeat says so."""
+        with self.lock:
+            calls = [self.pending.pop(ref) for ref in refs if ref in self.pending]
+        for _, method, args in sorted(calls, key=lambda c: c[0]):
+            if method == "record":  # numbered news: not kept a second time for a successor
+                with self.lock:
+                    ref = getattr(self.handle, method).remote(*args)
+                    self.pending[ref] = (time.monotonic(), method, args)
+            else:
+                self.call(method, args)
 
     def _find(self, dead: Any, timeout_s: float | None) -> Any:
         """The job's supervisor, other than the actor ``dead``; None when ``timeout_s``

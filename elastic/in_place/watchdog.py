@@ -9,8 +9,9 @@ supervisor's own process every ``POLL_S``.
 
 from __future__ import annotations
 
+import http.client
 import re
-import urllib.request
+import urllib.parse
 from collections.abc import Collection, Iterable
 
 POLL_S = 0.1
@@ -29,9 +30,59 @@ def heartbeat_ages(status_page: str) -> dict[str, float]:
     return ages
 
 
-def read_ages(lighthouse: str, timeout_s: float = 1.0) -> dict[str, float]:
-    with urllib.request.urlopen(f"{lighthouse}/status", timeout=timeout_s) as response:
-        return heartbeat_ages(response.read().decode())
+# What a kept-alive connection the server has closed meanwhile fails with.
+_CLOSED_BY_PEER = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
+class LighthouseStatus:
+    """The lighthouse's status page, read again and again over one kept-alive connection.
+    On a link that loses packets, a read then waits at worst for a resent packet (TCP's
+    200 ms and up), never for a new connection's lost SYN, which is resent only after a
+    second: a replica's start barrier ending a second late let its peers' first quorum form
+    without it."""
+
+    def __init__(self, lighthouse: str, timeout_s: float = 1.0) -> None:
+        url = urllib.parse.urlsplit(lighthouse)
+        if url.hostname is None:
+            raise ValueError(f"not a lighthouse address: {lighthouse!r}")
+        self.host, self.port = url.hostname, url.port or 80
+        self.timeout_s = timeout_s
+        self.connection: http.client.HTTPConnection | None = None
+
+    def ages(self) -> dict[str, float]:
+        """replica id -> seconds since the lighthouse last heard from it (OSError when it
+        cannot be read). A kept connection the lighthouse has closed is opened again."""
+        kept = self.connection is not None
+        try:
+            return heartbeat_ages(self._read())
+        except _CLOSED_BY_PEER as e:
+            if not kept:
+                raise self._unreadable(e) from e
+            self.close()
+        except (OSError, http.client.HTTPException) as e:
+            raise self._unreadable(e) from e
+        return self.ages()  # on a new connection: no second retry
+
+    def _unreadable(self, error: Exception) -> OSError:
+        self.close()
+        return OSError(f"lighthouse status unreadable: {error}")
+
+    def _read(self) -> str:
+        if self.connection is None:
+            self.connection = http.client.HTTPConnection(
+                self.host, self.port, timeout=self.timeout_s
+            )
+        self.connection.request("GET", "/status")
+        response = self.connection.getresponse()
+        body = response.read().decode()
+        if response.status != 200:
+            raise OSError(f"lighthouse status: HTTP {response.status}")
+        return body
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
 
 
 # How long a replica may be silent when no other replica that has trained is heard. The

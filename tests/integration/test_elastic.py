@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 
+from elastic.warm_pool import SETTLE_S
 from jobs import launcher
 from tests.conftest import (
     NAMESPACE,
@@ -210,10 +211,15 @@ def test_a_node_dies_and_comes_back_and_the_model_is_the_same(
     wait_until(
         api,
         job["id"],
-        lambda j: j["world_size"] == 2 and j["state"] == "running" and j["step"] >= 100,
+        lambda j: j["world_size"] == 2 and j["state"] == "running",
         120,
         "training at 2 workers",
     )
+    # Some 60 steps at 2 before the node comes back. The job is not required to still be
+    # at 2 then: the resizes asserted below are exactly one shrink and one grow whenever
+    # the grow came (a run once reached its end without a poll seeing it at 2 past step
+    # 100, and did not say why).
+    wait_until(api, job["id"], lambda j: j["step"] >= 100, 120, "step 100")
     pool.add_node()
     done = wait_until_ended(api, job["id"])
 
@@ -379,13 +385,16 @@ def test_a_node_loss_is_timed_from_the_failure(api: httpx.Client, pool: ClusterP
     # 1 s health checks): a recovery timed from that would be 3 s short of the measured.
     assert measured - 1.5 <= shrink["recovery_seconds"] <= measured + 0.5, (measured, shrink)
     # The attempt ended on that signal, a survivor's failed collective, and not on Ray's
-    # word that the node left (its reason would say "node ... left the cluster"); 0 would
-    # be an end before the signal, hidden by the clamp. (1.55 s after the signal was seen
-    # until 2026-11-29; 2.8-3.0 s since, not explained yet.)
-    assert 0 < shrink["detection_seconds"] < 3.5, shrink
+    # word that the node left: that reason would say "node ... left the cluster". The
+    # dead worker is the one whose ping goes unanswered; the attempt ends when the
+    # survivors' runs are back too (0.6-1.0 s seen alone, 3.0 s once in CI, where Ray's
+    # workers run at niceness 15 beside the suite's own processes), and never later than
+    # SETTLE_S, when the runs still going are killed. 0 would be an end before the signal,
+    # hidden by the clamp.
     (lost,) = [e["data"] for e in events(api, job["id"], "worker_lost")]
     assert lost["from_world"] == 3 and len(lost["nodes"]) == 1
     assert lost["reason"].startswith("rank "), lost
+    assert 0 < shrink["detection_seconds"] < SETTLE_S, shrink
 
 
 def warm_workers() -> dict[str, tuple[int, str]]:

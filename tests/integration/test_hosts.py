@@ -9,9 +9,10 @@ host name (loopback, for a name that resolves to none or to 127.0.1.1)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,24 +116,28 @@ def test_a_job_trains_across_hosts_whose_names_do_not_resolve(
 
 # From the kill to the next step, on the machine alone (the other xdist worker's tests wait).
 # The goals are 0.5 s in place and 2 s in restart mode. In place it is under 1 s here; the
-# bound leaves room for a loaded 2-core machine. Restart mode misses its goal on hosts: 2.4 s
-# in one run, 13 s and 15 s in two others. In those, one survivor saw no error from the
-# lost peer (its collective did not fail), so the attempt ended only when Ray declared the
-# host dead (3 s) and the stopped runs' grace (3 s) had passed; that survivor was then
-# replaced by a new process, which imports torch. The restart bound only catches a hang.
+# bound leaves room for a loaded 2-core machine. Restart mode is about 1.1 s on the quiet
+# machine (docs/benchmarks.md): a survivor that fails shuts its process group's sockets, so
+# the others fail at once too. A survivor left blocked would be killed at the 5 s settle
+# bound and replaced by a new process, which imports torch; the restart bound only catches
+# a hang.
 PAUSE_BOUND_S = {"in_place": 1.5, "restart": 30.0}
+STEPS = 300
 
 
-@pytest.mark.parametrize("mode", ["in_place", "restart"])
-def test_a_job_survives_the_loss_of_a_host(
-    api: httpx.Client, hosts: HostCluster, machine_share: MachineShare, mode: str
-) -> None:
-    """A host's every process SIGKILLed mid-job. In place, the survivors on the other
-    hosts train on in the same attempt; in restart mode, the surviving warm workers resume
-    from the latest checkpoint. The job ends with every step counted once."""
+def kill_mid_job(
+    api: httpx.Client,
+    hosts: HostCluster,
+    machine_share: MachineShare,
+    mode: str,
+    kill: Callable[[list[Host]], float],
+) -> tuple[list[dict[str, Any]], float]:
+    """A job on every host, through ``kill`` (given the live hosts, it returns the time of
+    its first kill) mid-job: the job ends ``succeeded`` with every step reported, in order
+    (a step a loss interrupted is reported again once trained). Its events, and the kill's
+    time."""
     hosts.restore(NODES)
-    steps = 300
-    spec = job_on_every_host(steps, fault_tolerance=mode)
+    spec = job_on_every_host(STEPS, fault_tolerance=mode)
     # Alone from the submission to the job's end: on 2 cores, beside the rest of the suite
     # and five Ray nodes, a starved survivor's heartbeats can stop for the in-place fence's
     # 0.3 s (a false loss that README "Known limits" describes; it was seen here once). Taken
@@ -146,12 +151,27 @@ def test_a_job_survives_the_loss_of_a_host(
             what="the job to train a while on every host",
         )
         at_kill = api.get(f"/v1/jobs/{job['id']}").json()
-        killed_at = hosts.alive()[-1].kill()
+        killed_at = kill(hosts.alive())
         done = wait_until_ended(api, job["id"], 400)
-    assert at_kill["state"] == "running" and at_kill["step"] < steps - 100, at_kill
+    assert at_kill["state"] == "running" and at_kill["step"] < STEPS - 100, at_kill
     events = all_events(api, job["id"])
     states = [e["data"] for e in events if e["kind"] == "state"]
-    assert (done["state"], done["step"]) == ("succeeded", steps), states
+    assert (done["state"], done["step"]) == ("succeeded", STEPS), states
+    reported = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
+    assert sorted(set(reported)) == list(range(1, STEPS + 1)), reported
+    return events, killed_at
+
+
+@pytest.mark.parametrize("mode", ["in_place", "restart"])
+def test_a_job_survives_the_loss_of_a_host(
+    api: httpx.Client, hosts: HostCluster, machine_share: MachineShare, mode: str
+) -> None:
+    """A host's every process SIGKILLed mid-job. In place, the survivors on the other
+    hosts train on in the same attempt; in restart mode, the surviving warm workers resume
+    from the latest checkpoint. The job ends with every step counted once."""
+    events, killed_at = kill_mid_job(
+        api, hosts, machine_share, mode, lambda alive: alive[-1].kill()
+    )
     # In place the attempt goes on at 2; restart mode starts a second attempt at 2.
     sizes = [e["data"]["world_size"] for e in events if e["kind"] == "attempt_started"]
     assert sizes == ([NODES] if mode == "in_place" else [NODES, NODES - 1]), sizes
@@ -160,13 +180,46 @@ def test_a_job_survives_the_loss_of_a_host(
     assert lost["from_world"] == NODES, losses
     if mode == "restart":
         assert len(losses) == 1, losses
-    # Every step reported, in order; a step the loss interrupted is reported again once
-    # it is trained (in restart mode, the steps since the checkpoint).
-    reported = [e["data"]["step"] for e in events if e["kind"] == "metrics"]
-    assert sorted(set(reported)) == list(range(1, steps + 1)), reported
     metrics = [e for e in events if e["kind"] == "metrics"]
     # The stall that spans the kill, and any that starts within 3 s of it.
     assert longest_pause_after(killed_at, metrics, 3.0) <= PAUSE_BOUND_S[mode], lost
+
+
+# Two hosts of one rack lost 0.3 s apart, from the first kill to the next step. The goal is
+# 2 s in both modes (docs/benchmarks.md: 1.08 s in restart mode; in place 0.63-0.70 s when
+# the second host dies before the survivors' next quorum forms, 1.4-2.1 s when it dies
+# inside it, whose rendezvous gives it up after 1 s; here up to 2.9 s was seen, a late
+# survivor failing one more try). The bound leaves room for that on a loaded 2-core
+# machine, and catches the collective timeout's 30 s. In restart mode the second host's
+# worker answers the first round of pings and dies after it: a later round finds it.
+APART_S = 0.3
+TWO_PAUSE_BOUND_S = 3.5
+
+
+@pytest.mark.parametrize("mode", ["in_place", "restart"])
+def test_a_job_survives_two_hosts_lost_a_moment_apart(
+    api: httpx.Client, hosts: HostCluster, machine_share: MachineShare, mode: str
+) -> None:
+    """Two hosts' every process SIGKILLed 0.3 s apart mid-job: the last worker trains on
+    (in place, in the same attempt; in restart mode, in one more attempt from the latest
+    checkpoint), within the bound, and the job ends with every step counted once."""
+
+    def two_apart(alive: list[Host]) -> float:
+        first, second = alive[-2:]
+        killed_at = first.kill()
+        time.sleep(max(0.0, killed_at + APART_S - time.time()))
+        second.kill()
+        return killed_at
+
+    events, killed_at = kill_mid_job(api, hosts, machine_share, mode, two_apart)
+    sizes = [e["data"]["world_size"] for e in events if e["kind"] == "attempt_started"]
+    assert sizes == ([NODES] if mode == "in_place" else [NODES, 1]), sizes
+    losses = [e["data"] for e in events if e["kind"] == "worker_lost"]
+    lost = [r for x in losses for r in (x["replicas"] if mode == "in_place" else x["ranks"])]
+    assert len(lost) == len(set(lost)) == 2 and losses[0]["from_world"] == NODES, losses
+    metrics = [e for e in events if e["kind"] == "metrics"]
+    print(f"{mode}, two hosts 0.3 s apart:", longest_pause_after(killed_at, metrics, 3.0))
+    assert longest_pause_after(killed_at, metrics, 3.0) <= TWO_PAUSE_BOUND_S, losses
 
 
 # The job the cut-off hosts are tested under: float64, every sample of every epoch recorded,
@@ -177,9 +230,10 @@ CUT_STEPS = 160
 # (elastic/in_place/abort.py): the goal is the heartbeat timeout + 0.5 s; the bound leaves
 # room for a loaded 2-core machine. In restart mode the survivors' collective hangs (packets
 # are dropped, not refused) until Ray declares the node dead (about 6 s: each of 3 missed
-# health checks waits out its 1 s timeout), then the attempt stops, the survivors blocked in
-# Gloo are killed after 3 s, and new workers start from the latest checkpoint: 16.5 s seen.
-# With Ray's 10 s health check timeout it was 32 s, the survivors' Gloo timeout.
+# health checks waits out its 1 s timeout); then the attempt stops and its survivors are
+# told to abandon it, shut their group's sockets and resume warm from the latest checkpoint:
+# 5.8-6.7 s in the restart soak (16.5 s before the abandon, when they were killed after 3 s
+# and replaced). The bound was kept from then.
 CUT_PAUSE_BOUND_S = {"in_place": 1.5, "restart": 30.0}
 _uninterrupted: dict[str, torch.Tensor] = {}
 
@@ -387,9 +441,9 @@ def test_a_lossy_host_is_never_taken_for_a_lost_one(
     sizes = [e["data"]["world_size"] for e in events if e["kind"] == "attempt_started"]
     assert sizes == [NODES], sizes
     kinds = [e["kind"] for e in events]
-    assert "worker_lost" not in kinds and "resized" not in kinds, [
-        e["data"] for e in events if e["kind"] in ("worker_lost", "resized")
-    ]
+    assert "worker_lost" not in kinds and "resized" not in kinds, json.dumps(
+        [e["data"] for e in events if e["kind"] in ("worker_lost", "joined", "resized")]
+    )
     assert_exact(api, root, job["id"], mode, reference)
 
 

@@ -55,3 +55,23 @@ def test_release_all_hands_over_every_sender_in_order() -> None:
     assert order.overdue() == []
     clock.now = 60.0
     assert order.overdue() == ["b6"]
+
+
+def test_a_call_sent_again_is_dropped_and_a_late_one_past_a_gap_goes_on_once() -> None:
+    """A sender that could not tell whether its call arrived (the supervisor was unavailable
+    a moment) sends it again: the repeat of a number that went on is dropped, while a call
+    that comes late past a gap given up on still goes on, once."""
+    clock = Clock()
+    order: InOrder[str] = InOrder(hold_s=1.0, clock=clock)
+    assert order.accept("w", 0, "s0") == ["s0"]
+    assert order.accept("w", 0, "s0 again") == []
+    assert order.accept("w", 4, "s4") == []  # 1, 2 and 3 are missing
+    clock.now = 1.0
+    assert order.overdue() == ["s4"]
+    assert order.accept("w", 2, "s2") == ["s2"]
+    assert order.accept("w", 2, "s2 again") == []
+    assert order.accept("w", 4, "s4 again") == []
+    assert order.accept("w", 3, "s3") == ["s3"]
+    assert order.accept("w", 1, "s1") == ["s1"]
+    assert order.accept("w", 1, "s1 again") == []
+    assert order.accept("w", 5, "s5") == ["s5"]

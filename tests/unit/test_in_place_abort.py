@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from elastic.in_place.abort import PeerLost, StepAbort
-from elastic.in_place.watchdog import LossDetector, heartbeat_ages, read_ages
+from elastic.in_place.watchdog import LighthouseStatus, LossDetector, heartbeat_ages
 
 PAGE = """
 <h2>Heartbeats</h2>
@@ -48,7 +48,7 @@ def test_a_real_lighthouse_page_is_read() -> None:
         client = LighthouseClient(server.address(), timedelta(seconds=5))
         client.heartbeat("x-r0")
         client.heartbeat("x-r1")
-        ages = read_ages(server.address())
+        ages = LighthouseStatus(server.address()).ages()
         assert ages.keys() == {"x-r0", "x-r1"}
         assert all(0 <= a < 0.5 for a in ages.values())
     finally:

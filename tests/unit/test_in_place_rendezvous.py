@@ -113,6 +113,43 @@ def formed_again_after_a_failed_try() -> None:
     assert formed([a, b], 7) == [None, None]
 
 
+def tried_late(groups: list[Any], late: Any, uuid: int, late_s: float) -> tuple[list[Any], float]:
+    """One try of the quorum ``groups`` + ``late``, with ``late`` coming ``late_s`` after
+    the others: the others' errors (None: formed), and how long their try took."""
+    handles = [g.get_reconfigure_handle() for g in [*groups, late]]
+    comes = threading.Timer(late_s, lambda: reconfigure_all([late], uuid, handles))
+    comes.start()
+    began = time.monotonic()
+    errors = reconfigure_all(groups, uuid, handles)
+    took = time.monotonic() - began
+    comes.join(30)
+    return errors, took
+
+
+def waits_longer_after_each_failed_try() -> None:
+    """A member later than the rendezvous timeout at each try (a starved process): each try
+    waits twice as long as the one before, so a later try forms the group; once it has
+    formed, the next shrink waits the rendezvous timeout again."""
+    a, b, c, d = (node_bound_gloo("127.0.0.1", COLLECTIVE) for _ in range(4))
+    assert formed([a, b, c, d], 1) == [None] * 4
+    timeout = RENDEZVOUS_TIMEOUT.total_seconds()
+    errors, took = tried_late([a, b], c, 2, 1.5 * timeout)
+    assert all(isinstance(e, Exception) for e in errors), errors
+    assert timeout <= took < 1.5 * timeout, took
+    errors, took = tried_late([a, b], c, 3, 1.5 * timeout)
+    assert errors == [None, None], (errors, took)
+    assert 1.5 * timeout <= took < 2 * timeout, took
+    # Formed at 3; ``b`` is lost, and ``c``, put in the next quorum, never comes: given up
+    # after the timeout again, not twice it.
+    handles = [g.get_reconfigure_handle() for g in (a, c)]
+    began = time.monotonic()
+    errors = reconfigure_all([a], 4, handles)
+    took = time.monotonic() - began
+    assert isinstance(errors[0], Exception), errors
+    assert timeout <= took < 1.5 * timeout, took
+    assert formed([a], 5) == [None]
+
+
 def _scenario(name: str, errors: Any) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     try:
@@ -149,3 +186,7 @@ def test_a_quorum_that_grows_waits_for_a_late_joiner() -> None:
 
 def test_the_same_members_form_their_group_again_after_a_failed_try() -> None:
     in_a_fresh_process(formed_again_after_a_failed_try)
+
+
+def test_each_failed_try_of_a_shrunk_quorum_waits_twice_as_long_as_the_one_before() -> None:
+    in_a_fresh_process(waits_longer_after_each_failed_try)

@@ -3,6 +3,9 @@ from it, so its arithmetic is checked here, in milliseconds."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from bench.recovery_records import StepRecord, lineage, summarize
@@ -142,3 +145,39 @@ def test_lineage_keeps_the_attempt_that_committed_a_step_last() -> None:
         (2, "b", 0),
         (3, "b", 0),
     ]
+
+
+def test_restart_steps_whose_reports_died_with_the_supervisor_come_from_the_audit(
+    tmp_path: Path,
+) -> None:
+    """Restart mode, 2 ranks: attempt 1 reported steps 1-2 and trained 3 and 4, whose reports
+    died with its supervisor; attempt 2 restored the checkpoint of step 3 and redid 4. Step
+    3 is in the final model (from the audit, each rank's share), step 4 once (attempt 2's)."""
+    from bench.recovery_hosts import with_unreported_steps
+
+    def samples(step: int) -> list[int]:
+        return list(range((step - 1) * BATCH, step * BATCH))
+
+    audit = tmp_path / "samples"
+    audit.mkdir()
+    for attempt, trained in (("1", [1, 2, 3, 4]), ("2", [4, 5])):
+        for rank in (0, 1):
+            lines = [
+                json.dumps({"a": int(attempt), "s": s, "i": samples(s)[rank * 3 : rank * 3 + 3]})
+                for s in trained
+            ]
+            (audit / f"attempt-{attempt}-rank-{rank}.jsonl").write_text("\n".join(lines))
+    reported = [
+        StepRecord(1.0, 0, 1, "1", 2, True, tuple(samples(1))),
+        StepRecord(2.0, 0, 2, "1", 2, True, tuple(samples(2))),
+        StepRecord(10.0, 0, 4, "2", 2, True, tuple(samples(4))),
+        StepRecord(11.0, 0, 5, "2", 2, True, tuple(samples(5))),
+    ]
+    records = with_unreported_steps(reported, tmp_path)
+    added = [r for r in records if r not in reported]
+    assert [(r.attempt, r.step, r.time, sorted(r.indices)) for r in added] == [
+        ("1", 3, 2.0, samples(3)),
+        ("1", 4, 2.0, samples(4)),
+    ]
+    figures = summarize(records, 0.0, 2.5, None, 5, BATCH, back_at=3.0)
+    assert (figures["samples_lost"], figures["samples_doubled"]) == (0, 0)

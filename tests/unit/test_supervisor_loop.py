@@ -131,6 +131,7 @@ class FakeRunner:
         self.nodes: list[str] = []
         self.ending: asyncio.Future[AttemptOutcome] | None = None
         self.stops = 0
+        self.signals = 0  # failure signals passed on by the loop
         self.place = True
         self.resized: list[int] = []
         # An attempt a lost supervisor left running, found on the cluster; and those adopted.
@@ -164,6 +165,9 @@ class FakeRunner:
     def stop(self) -> None:
         self.stops += 1
         self.end(AttemptOutcome())
+
+    def failure_signalled(self) -> None:
+        self.signals += 1
 
     def resize(self, size: int) -> set[int]:
         self.resized.append(size)
@@ -303,6 +307,7 @@ def test_a_lost_node_shrinks_the_job_and_the_recovery_counts_from_the_first_sign
         lost = h.runner.nodes[1]
         # The worker saw its collective fail 2 s before the membership caught up.
         h.loop.record("failure_signal", {"attempt": 1, "rank": 0, "time": 998.0})
+        assert h.runner.signals == 1  # the runner counts the attempt failed from here
         h.cluster.kill(lost)
         await h.attempt(2)
         assert h.runner.specs[1] == AttemptSpec(2, 2, "/c/step_10")

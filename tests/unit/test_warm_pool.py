@@ -5,12 +5,24 @@ capacity the job holds (a fake runner that keeps its workers between attempts)."
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import pytest
+
+from elastic import warm_pool
 from elastic.attempt import AttemptOutcome
 from elastic.attempt_runner import AttemptSpec
 from elastic.job_loop import Timing
-from elastic.warm_pool import Ending, Member, WarmPoolRunner, choose_warm, settle_deadline
+from elastic.warm_pool import (
+    Ending,
+    Member,
+    PingRounds,
+    WarmPoolRunner,
+    WarmWorker,
+    choose_warm,
+    settle_deadline,
+)
 from tests.unit.test_supervisor_loop import FakeCluster, FakeRunner, Harness, run
 
 
@@ -41,11 +53,16 @@ def test_an_attempt_s_end_names_the_first_error_and_the_dead_ranks() -> None:
     assert ending.outcome(stopped=False) == AttemptOutcome(
         "rank 1: its worker died (its process or its node was lost)", [1]
     )
-    ending.errors += [(2, "RuntimeError: Connection closed by peer"), (0, "RuntimeError: x")]
+    # Rank 0's own error came back last, but it failed first: its peers failed because it
+    # shut its connections.
+    ending.errors += [
+        (1000.2, 2, "RuntimeError: Connection closed by peer"),
+        (1000.1, 0, "ValueError: the user's own error"),
+    ]
     ending.failed(11.0)  # the first failure is kept
     assert ending.failed_at == 10.0
     assert ending.outcome(stopped=False) == AttemptOutcome(
-        "rank 2: RuntimeError: Connection closed by peer", [1]
+        "rank 0: ValueError: the user's own error", [1]
     )
     # Stopped by the supervisor: the cause is the supervisor's, the workers' errors follow it.
     assert ending.outcome(stopped=True) == AttemptOutcome(None, [1])
@@ -54,6 +71,175 @@ def test_an_attempt_s_end_names_the_first_error_and_the_dead_ranks() -> None:
 def test_the_others_get_a_bounded_while_after_the_first_failure_and_none_before() -> None:
     assert settle_deadline(None) is None
     assert settle_deadline(100.0, 5.0) == 105.0
+
+
+class Told:
+    """A worker actor's method whose calls are only recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def remote(self, *args: object) -> None:
+        self.calls.append(args)
+
+
+class PingedActor:
+    """A worker actor's ``ping``: answered at once, or never (its node is gone); and its
+    ``abandon``, recorded."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.pings = 0
+        self.abandon = Told()
+
+    @property
+    def ping(self) -> PingedActor:
+        return self
+
+    def remote(self) -> asyncio.Future[None]:
+        self.pings += 1
+        answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.answers:
+            answer.set_result(None)
+        return answer
+
+
+ATTEMPT = 7
+
+
+def watching(
+    rank0: PingedActor, rank1: PingedActor, killed: list[Member]
+) -> tuple[WarmPoolRunner, Ending, asyncio.Future[None]]:
+    """A runner watching an attempt's two runs, on these actors, neither ended yet; the
+    workers it kills (Ray's part) go to ``killed``."""
+    runner = WarmPoolRunner({"resources_per_worker": {"CPU": 1.0}}, lambda spec: {})
+    runner._kill = killed.append  # type: ignore[method-assign]
+    runner.busy = {0: Member(rank0, None, "n0", 10), 1: Member(rank1, None, "n1", 11)}
+    ending = runner.ending = Ending()
+    loop = asyncio.get_running_loop()
+    runs: dict[asyncio.Future[object], int] = {loop.create_future(): 0, loop.create_future(): 1}
+    signalled = asyncio.ensure_future(runner.signalled.wait())
+    watch = runner._watch_runs(runs, {signalled}, ending, ATTEMPT)
+    return runner, ending, asyncio.ensure_future(watch)
+
+
+def test_a_worker_s_failure_signal_starts_the_pings_before_any_run_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A survivor's run returns only after its last checkpoint write and log lines (over a
+    second on a busy machine): its failure signal, which comes first, starts the search for
+    the dead ones."""
+    monkeypatch.setattr(warm_pool, "PING_S", 0.05)
+
+    async def body() -> None:
+        alive, gone = PingedActor(answers=True), PingedActor(answers=False)
+        killed: list[Member] = []
+        runner, ending, watch = watching(alive, gone, killed)
+        await asyncio.sleep(0.2)
+        assert (alive.pings, gone.pings, ending.failed_at) == (0, 0, None)
+        assert alive.abandon.calls == gone.abandon.calls == []
+
+        runner.failure_signalled()
+        await asyncio.sleep(0.3)
+        assert ending.failed_at is not None
+        # Both told at once to leave the collectives they wait in, once: the survivor's
+        # may wait on a peer that failed and left, whose sockets stay open.
+        assert alive.abandon.calls == gone.abandon.calls == [(ATTEMPT,)]
+        assert alive.pings >= 1 and gone.pings == 1  # the living are asked again each round
+        assert ending.dead == {1} and list(runner.busy) == [0]  # rank 0 answered: it ends itself
+        assert [m.actor for m in killed] == [gone]
+        assert not watch.done()  # waiting for rank 0's run, within SETTLE_S
+        watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_pings_come_in_rounds_and_a_silence_is_judged_by_the_answers_seen() -> None:
+    rounds = PingRounds()
+    assert rounds.due(100.0, pending=False)
+    rounds.sent(100.0)
+    half = warm_pool.PING_EVERY_S / 2
+    assert not rounds.due(100.0 + half, pending=False)  # the next round waits PING_EVERY_S
+    assert rounds.dead_after() == 100.0 + warm_pool.PING_S  # nothing to compare with yet
+    rounds.answered(100.01)
+    assert rounds.dead_after() == 100.0 + warm_pool.PING_MIN_S  # answers in milliseconds
+    rounds.answered(100.3)  # a busy machine: silence is judged by the slowest answer
+    assert rounds.dead_after() == pytest.approx(100.0 + warm_pool.ANSWER_FACTOR * 0.3)
+    rounds.answered(101.0)
+    assert rounds.dead_after() == 100.0 + warm_pool.PING_S  # and never waits longer
+    assert rounds.next_wake(pending=True) == rounds.dead_after()
+    assert rounds.next_wake(pending=False) == 100.0 + warm_pool.PING_EVERY_S
+    assert not rounds.due(100.0 + half, pending=False) and not rounds.due(102.0, pending=True)
+    assert rounds.due(100.0 + warm_pool.PING_EVERY_S, pending=False)
+
+
+def test_a_worker_that_answered_and_then_died_is_found_by_the_next_round() -> None:
+    """Two nodes of one rack lost 0.3 s apart: the second one's worker answers the first
+    round, then goes silent; the next round counts it dead, long before its run's call fails
+    (which waits for Ray to learn of the node's death)."""
+
+    async def body() -> None:
+        survivor, second = PingedActor(answers=True), PingedActor(answers=True)
+        killed: list[Member] = []
+        runner, ending, watch = watching(survivor, second, killed)
+        began = time.monotonic()
+        runner.failure_signalled()
+        await asyncio.sleep(warm_pool.PING_EVERY_S / 2)  # the first round is answered
+        assert (survivor.pings, second.pings, ending.dead) == (1, 1, set())
+        second.answers = False  # its node goes now
+        while 1 not in ending.dead and time.monotonic() - began < 5:
+            await asyncio.sleep(0.02)
+        found = time.monotonic() - began
+        assert ending.dead == {1} and list(runner.busy) == [0]
+        assert [m.actor for m in killed] == [second]
+        assert second.pings == 2 and survivor.pings >= 2
+        assert not watch.done()  # the survivor's run ends by itself
+        # The next round PING_EVERY_S after the first, silent for PING_MIN_S.
+        assert warm_pool.PING_EVERY_S + warm_pool.PING_MIN_S <= found < warm_pool.PING_S + 0.5
+        watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_failure_signal_between_attempts_or_while_stopping_is_ignored() -> None:
+    runner = WarmPoolRunner({"resources_per_worker": {"CPU": 1.0}}, lambda spec: {})
+    runner.failure_signalled()  # no attempt running
+    assert not runner.signalled.is_set()
+    runner.ending = Ending()
+    runner.stopping = True  # the supervisor stopped it: its workers' errors are its own doing
+    runner.failure_signalled()
+    assert runner.ending.failed_at is None and not runner.signalled.is_set()
+
+
+def test_a_stuck_worker_tells_where_its_training_thread_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before a run that outlived the settle bound is killed, its training thread's stack goes
+    into the job's log (the worker's stderr, which its run forwards)."""
+    monkeypatch.setattr(warm_pool, "FLUSH_S", 0.0)
+    cls = WarmWorker.__ray_actor_class__  # the actor's own class, without Ray
+    worker = cls.__new__(cls)  # no __init__: it binds Gloo to the node and watches its parent
+    worker.training_thread = None
+    assert worker.where(1, 5.0) == ""  # between runs: nothing to tell
+    blocked, release = threading.Event(), threading.Event()
+
+    def blocked_in_a_collective() -> None:  # stands for a run that waits on a peer
+        worker.training_thread = threading.get_ident()
+        blocked.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=blocked_in_a_collective)
+    thread.start()
+    blocked.wait(10)
+    try:
+        stack = worker.where(1, 5.0)
+    finally:
+        release.set()
+        thread.join(10)
+    assert "in blocked_in_a_collective" in stack and "release.wait(10)" in stack
+    err = capsys.readouterr().err
+    assert "rank 1 did not end within 5 s of the attempt's failure" in err
+    assert "in blocked_in_a_collective" in err
 
 
 class WarmFakeRunner(FakeRunner):
@@ -121,3 +307,14 @@ def test_a_loss_restarts_at_once_on_the_warm_survivors_without_waiting_for_relea
         assert h.runner.warm == [] and cluster.free_nodes() == ["n0", "n1", "n2"]
 
     run(body)
+
+
+def test_a_worker_gives_up_only_the_attempt_it_runs() -> None:
+    """Word of an earlier attempt, late, leaves the current one's collectives alone."""
+    cls = WarmWorker.__ray_actor_class__  # the actor's own class, without Ray
+    worker = cls.__new__(cls)  # no __init__: it binds Gloo to the node and watches its parent
+    worker.attempt, worker.abandoned, worker.group = 3, threading.Event(), None
+    worker.abandon(2)
+    assert not worker.abandoned.is_set()
+    worker.abandon(3)
+    assert worker.abandoned.is_set()

@@ -1,0 +1,143 @@
+"""A worker's collectives, given up when its attempt failed: two real Gloo groups of one
+world of 2, in two threads of this process, and the sockets a group is found by."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.group_sockets import (
+    GroupSockets,
+    TcpSocket,
+    belongs,
+    listening_since,
+    own_sockets,
+    parse_tcp_table,
+)
+from elastic.process_group import ABANDON_POLL_S, AttemptAbandoned, all_reduce
+
+
+def two_ranks() -> dict[int, Any]:
+    """Rank -> its Gloo group, of one world of 2 in this process."""
+    store = dist.HashStore()
+    groups: dict[int, Any] = {}
+
+    def join(rank: int) -> None:  # each rank's group connects to the other's: both at once
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
+
+    joining = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join()
+    return groups
+
+
+@pytest.fixture
+def world_of_2() -> Iterator[dict[int, Any]]:
+    yield two_ranks()
+
+
+def test_a_collective_whose_peer_never_comes_is_given_up_once_abandoned(
+    world_of_2: dict[int, Any],
+) -> None:
+    """A peer that failed and left keeps its sockets open: the wait on it ends only by the
+    supervisor's word, and at once."""
+    abandoned = threading.Event()
+    waiting = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    threading.Timer(0.3, abandoned.set).start()
+    began = time.monotonic()
+    with pytest.raises(AttemptAbandoned):
+        all_reduce(waiting, abandoned, world_of_2[0])
+    assert 0.3 <= time.monotonic() - began < 0.3 + 4 * ABANDON_POLL_S
+    with pytest.raises(AttemptAbandoned):  # later collectives of the attempt go at once
+        all_reduce(waiting, abandoned, world_of_2[0])
+    # The peer's half arrives after all: the op left behind completes, and nothing is
+    # left running when the groups go.
+    all_reduce(torch.tensor([10.0, 20.0], dtype=torch.float64), threading.Event(), world_of_2[1])
+
+
+def test_a_collective_both_ranks_join_sums_as_dist_all_reduce_does(
+    world_of_2: dict[int, Any],
+) -> None:
+    tensors = {
+        0: torch.tensor([1.0, 2.0], dtype=torch.float64),
+        1: torch.tensor([0.5, 0.25], dtype=torch.float64),
+    }
+    other = threading.Thread(target=all_reduce, args=(tensors[1], threading.Event(), world_of_2[1]))
+    other.start()
+    all_reduce(tensors[0], threading.Event(), world_of_2[0])
+    other.join()
+    expected = torch.tensor([1.5, 2.25], dtype=torch.float64)
+    assert torch.equal(tensors[0], expected) and torch.equal(tensors[1], expected)
+
+
+def test_shutting_a_group_s_sockets_ends_a_peer_s_wait_and_leaves_other_sockets_alone() -> None:
+    """A Gloo group built whole in this process (both ranks): shutting its sockets makes the
+    pending collective fail at once, instead of at the 20 s timeout, while a TCP connection
+    that is not the group's (as Ray's own are) still carries data."""
+    before = set(own_sockets())
+    groups = two_ranks()
+    listening = listening_since(before)
+    assert listening, "Gloo listens for its pairs"
+    bystander = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(bystander.getsockname())
+    served, _ = bystander.accept()
+
+    work = groups[0].allreduce([torch.ones(3, dtype=torch.float64)])  # rank 1 never joins
+    began = time.monotonic()
+    assert GroupSockets(frozenset(listening), frozenset(listening)).shut() >= 1
+    with pytest.raises(RuntimeError):
+        work.wait()
+    assert time.monotonic() - began < 2.0
+    client.sendall(b"still here")
+    assert served.recv(16) == b"still here"
+    for sock in (client, served, bystander):
+        sock.close()
+
+
+def test_the_kernel_s_socket_table_is_read_with_its_byte_order() -> None:
+    table = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid"
+        "  timeout inode\n"
+        "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000"
+        "     0        0 4026 1 0000000008b5a322 100 0 0 10 0\n"
+        "   1: 0296A80A:C350 1196A80A:1F90 01 00000000:00000000 00:00000000 00000000"
+        "     0        0 5120 1 0000000008b5a322 100 0 0 10 0\n"
+    )
+    listener, link = parse_tcp_table(table)
+    assert listener == TcpSocket(4026, ("127.0.0.1", 8080), ("0.0.0.0", 0), listening=True)
+    assert link == TcpSocket(5120, ("10.168.150.2", 50000), ("10.168.150.17", 8080), False)
+    v6 = (
+        "header\n"
+        "   0: 0000000000000000FFFF00000100007F:1F90 00000000000000000000000000000000:0000 0A"
+        " 00000000:00000000 00:00000000 00000000     0        0 77 1 0 100 0 0 10 0\n"
+    )
+    (mapped,) = parse_tcp_table(v6)
+    assert mapped.local == ("127.0.0.1", 8080) and mapped.listening
+
+
+def test_a_connection_belongs_to_the_group_by_its_ports() -> None:
+    ours = {("10.0.0.2", 40000)}
+    group = ours | {("10.0.0.3", 40001), ("10.0.0.2", 29500)}  # a peer, and the store
+    accepted = TcpSocket(1, ("10.0.0.2", 40000), ("10.0.0.3", 51000), False)
+    to_peer = TcpSocket(2, ("10.0.0.2", 52000), ("10.0.0.3", 40001), False)
+    to_store = TcpSocket(3, ("10.0.0.2", 52001), ("10.0.0.2", 29500), False)
+    to_ray = TcpSocket(4, ("10.0.0.2", 52002), ("10.0.0.9", 40001), False)  # same port, other host
+    listener = TcpSocket(5, ("10.0.0.2", 40000), ("0.0.0.0", 0), True)
+    assert [belongs(s, ours, group) for s in (accepted, to_peer, to_store, to_ray, listener)] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert belongs(to_ray, ours, {("0.0.0.0", 40001)})  # a peer listening on every address
