@@ -1,5 +1,5 @@
 """How long does training stall for a checkpoint? A model of a few hundred MB, trained by
-the real ``elastic.loop`` code on one worker, with checkpoints written in the background
+the real ``elastic.train.context`` code on one worker, with checkpoints written in the background
 (what jobs do), written inline (the old way: copy, write, fsync, hash, publish, prune on
 the training thread), and not at all.
 
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic.checkpoint_manager import CheckpointManager
-from elastic.loop import run_with_context
-from elastic.worker import WorkerContext
+from elastic.checkpoint.writer import CheckpointManager
+from elastic.train.context import run_with_context
+from elastic.train.worker import WorkerContext
 
 KINDS = ("none", "background", "inline")
 

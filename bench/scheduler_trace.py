@@ -8,7 +8,7 @@ run under three schedulers on the same trace:
                   resized or preempted. Priorities are ignored.
   (a') fcfs-bf    the same with backfill (Kueue's BestEffortFIFO): a later job that fits
                   starts when the head does not. Shown for context.
-  (b) policy-rigid  elastic/scheduling.py's plan() with Knobs(resize_running=False):
+  (b) policy-rigid  elastic/cluster/scheduling.py's plan() with Knobs(resize_running=False):
                   priorities, preemption, sizes chosen at start, never resized after.
   (c) policy      plan() as the service runs it: called on every arrival, completion and
                   a periodic tick; every resize costs its pause.
@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from elastic.scheduling import Change, Demand, JobRecord, Knobs, plan
+from elastic.cluster.scheduling import Change, Demand, JobRecord, Knobs, plan
 
 NODE_SLOTS = 8
 START_S = 5.0  # a start, or a restart-type resize (checkpoint, restart on warm workers)

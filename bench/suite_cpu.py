@@ -40,7 +40,7 @@ SUITE = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-ra"
 # What a training process (restart mode's WarmWorker, in place's Replica) imports before its
 # first step: torch's optimizers import torch._dynamo on their first use.
 TRAINING_IMPORTS = (
-    "import ray, torch, torch._dynamo, elastic.loop, elastic.in_place.context, "
+    "import ray, torch, torch._dynamo, elastic.train.context, elastic.in_place.context, "
     "jobs.workloads.image_classification"
 )
 TRAINING_KINDS = frozenset({"ray::WarmWorker", "ray::Replica"})

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.loop import TrainContext
+from elastic.train.context import TrainContext
 
 
 def make_points(n: int, seed: int) -> TensorDataset:

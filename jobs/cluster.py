@@ -15,8 +15,8 @@ from typing import Any
 import ray
 from ray._private import state as ray_state
 
-from elastic import capacity
-from elastic.capacity import HEAD_RESOURCE
+from elastic.cluster import capacity
+from elastic.cluster.capacity import HEAD_RESOURCE
 from jobs import launcher
 
 log = logging.getLogger(__name__)

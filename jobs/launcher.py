@@ -12,8 +12,9 @@ import ray
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
-from elastic import capacity, policy
-from elastic.supervisor import Supervisor, SupervisorPlan
+from elastic.cluster import capacity
+from elastic.supervisor import policy
+from elastic.supervisor.actor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
 from jobs.state import TRANSITIONS, JobState
@@ -208,7 +209,7 @@ def launch(
     train_loop = workload.train_loop if workload else spec.workload
     train_config = spec.train_config()
     if _mlflow is not None:
-        # Read by the rank-0 worker (elastic.mlflow_log); the URI goes in the environment.
+        # Read by the rank-0 worker (elastic.train.mlflow_log); the URI goes in the environment.
         train_config["_mlflow"] = {
             "job_id": job_id,
             "job_name": spec.name,

@@ -1,4 +1,4 @@
-"""The service's calls to the cluster's scheduler (``elastic/capacity.py``'s shared watcher,
+"""The service's calls to the cluster's scheduler (``elastic/cluster/capacity.py``'s shared watcher,
 one detached actor per namespace): the owners' quotas it schedules within, and its view of
 the queue for ``GET /v1/queue``."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import ray
 
-from elastic.capacity import shared_watcher
-from elastic.scheduling import Knobs as Knobs  # the service builds them: re-exported
+from elastic.cluster.capacity import shared_watcher
+from elastic.cluster.scheduling import Knobs as Knobs  # the service builds them: re-exported
 
 # The scheduler answers from memory: longer than this means it is not running (its node is
 # being declared dead, or it is being re-created), and the caller says so rather than hang.
@@ -57,6 +57,6 @@ async def forget(namespace: str, job_id: str, timeout_s: float = CALL_TIMEOUT_S)
     """The job ended and the service stops its supervisor: the scheduler plans without it
     from now on. A supervisor takes itself off the book as its loop ends, but the service
     stops it as soon as it has stored the end, which can come first; the scheduler then found
-    it gone only at its next check (``elastic.capacity.SCHEDULER_CHECK_S``), and a job
+    it gone only at its next check (``elastic.cluster.capacity.SCHEDULER_CHECK_S``), and a job
     submitted meanwhile was planned beside it: seen starting at 1 worker of 3 free."""
     await _call(namespace, "unregister", job_id, timeout_s=timeout_s)

@@ -15,7 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from elastic.scheduling import DEFAULT_PRIORITY, PRIORITY_CLASSES
+from elastic.cluster.scheduling import DEFAULT_PRIORITY, PRIORITY_CLASSES
 from jobs.validation import field_error, prefixed
 from jobs.workloads import WORKLOADS
 

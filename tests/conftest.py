@@ -295,7 +295,7 @@ def supervisors_outliving_their_job(grace_s: float = SUPERVISOR_AFTER_END_S) -> 
     leak (each holds a process, and its job's Ray resources, forever)."""
     import ray
 
-    from elastic.job_loop import TERMINAL
+    from elastic.supervisor.loop import TERMINAL
     from jobs.launcher import ACTOR_PREFIX
 
     deadline = time.monotonic() + grace_s
@@ -321,11 +321,11 @@ def wait_until_the_scheduler_sees_the_pool(timeout_s: float = 30.0) -> None:
     sees every node of the pool with its CPU free and unclaimed, and plans for no job: a job
     submitted now starts at the pool's full size, not on the part of a restored pool the
     watcher has seen, nor beside a killed job the scheduler still plans for (it forgets a
-    supervisor that died without saying so within elastic.capacity.SCHEDULER_CHECK_S; two
+    supervisor that died without saying so within elastic.cluster.capacity.SCHEDULER_CHECK_S; two
     jobs were seen to start at 1 worker of 3 in that window)."""
     import ray
 
-    from elastic.capacity import shared_watcher
+    from elastic.cluster.capacity import shared_watcher
 
     watcher = shared_watcher(NAMESPACE)
 
@@ -422,7 +422,7 @@ class LiveServer:
 @functools.cache
 def shared_checkpoint_dir() -> Path:
     """One checkpoint directory for every test service of this process. A service probes
-    each Ray node once per checkpoint directory (``elastic/checkpoint_storage.py``: a worker
+    each Ray node once per checkpoint directory (``elastic/checkpoint/storage.py``: a worker
     process per node): with a directory per test, every test's first job paid for three
     probe processes, 148 of the 400 worker processes of a whole run. Job ids are unique, so
     the tests' jobs do not meet in it; ``test_checkpoint_visibility`` probes directories of

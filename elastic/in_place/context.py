@@ -1,5 +1,5 @@
 """The training context of an in-place replica: the same ``train_loop(config, ctx)`` API as
-:class:`elastic.loop.TrainContext`, with every step taken by whichever replicas the torchft
+:class:`elastic.train.context.TrainContext`, with every step taken by whichever replicas the torchft
 quorum holds at that step.
 
 Each replica is a world of one for ``torch.distributed`` (no DDP wrapper): its only
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from elastic import mlflow_log
-from elastic.checkpoint_state import RankRng, seed_rank
+from elastic.checkpoint.parts import RankRng, seed_rank
 from elastic.in_place.abort import StepAbort
 from elastic.in_place.buckets import GradientBuckets
 from elastic.in_place.members import quorum_members
 from elastic.in_place.steps import QuorumChange, Timeline, loss_weight, participant_indices
-from elastic.loop import (
+from elastic.train import mlflow_log
+from elastic.train.context import (
     LoopSettings,
     LossPerSample,
     StepBatch,
@@ -37,8 +37,8 @@ from elastic.loop import (
     _rows,
     micro_batches,
 )
-from elastic.sampling import SamplerPosition, advance, epoch_permutation
-from elastic.tensorboard import TensorBoardLog
+from elastic.train.sampling import SamplerPosition, advance, epoch_permutation
+from elastic.train.tensorboard import TensorBoardLog
 
 SUM = torch.distributed.ReduceOp.SUM
 

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from elastic.addresses import url_host
-from elastic.capacity import one_per_cluster
+from elastic.cluster.capacity import one_per_cluster
 
 HOST_NAME = "etrain-lighthouses"
 JOIN_TIMEOUT_MS = 1000

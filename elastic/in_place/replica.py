@@ -16,12 +16,12 @@ from typing import Any
 import ray
 
 from elastic.arrivals import Outbox
-from elastic.attempt_runner import resolve
-from elastic.checkpoints import CheckpointDir
+from elastic.checkpoint.directory import CheckpointDir
 from elastic.in_place.heartbeats import ExtraHeartbeats
 from elastic.in_place.members import QuorumMembers, replica_id
 from elastic.in_place.orphan import die_with_parent
-from elastic.worker_config import WorkerConfig
+from elastic.supervisor.runner import resolve
+from elastic.train.worker_config import WorkerConfig
 
 # The lighthouse forgets a replica whose heartbeats stop for this long. It is most of the
 # survivors' pause after a loss: a dead peer's collective error comes at once, but the
@@ -78,7 +78,7 @@ def _beating_manager(
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.manager import Manager
 
-    from elastic.process_group import bound_store
+    from elastic.train.process_group import bound_store
 
     timeout = timedelta(seconds=timeout_s)
     # The replica group's own store (a group of one): loopback only.
@@ -150,7 +150,7 @@ def _forget_failed_quorums(manager: Any) -> None:
 
 
 # Every socket a replica listens on is bound to its node's Ray address (loopback for the
-# embedded default), as Ray's and the restart path's are (elastic/process_group.py).
+# embedded default), as Ray's and the restart path's are (elastic/train/process_group.py).
 # torchft 's Manager binds its server on every interface and its Gloo process group's
 # rendezvous store on every interface under the machine's host name, with no option for
 # either: the two shims below put those two on ``host``.
@@ -186,7 +186,7 @@ def node_bound_gloo(host: str, timeout: timedelta) -> Any:
     from torchft.process_group import ProcessGroupGloo
 
     from elastic.addresses import url_host
-    from elastic.process_group import bound_store
+    from elastic.train.process_group import bound_store
 
     class NodeBoundGloo(ProcessGroupGloo):  # type: ignore[misc]
         _formed_size = 0  # of the last quorum whose group formed
@@ -318,8 +318,8 @@ class Replica:
     ) -> str:
         from elastic.in_place.context import InPlaceContext, LeftTheQuorum
         from elastic.in_place.supervisor_link import SupervisorLink
-        from elastic.worker import WorkerContext
-        from elastic.worker_logs import forward_output
+        from elastic.train.worker import WorkerContext
+        from elastic.train.worker_logs import forward_output
 
         meta = WorkerConfig.from_dict(config["_elastic"])
         name, train_loop = meta.supervisor, meta.train_loop

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic.sampling import SamplerPosition, share
+from elastic.train.sampling import SamplerPosition, share
 
 
 def step_positions(position: SamplerPosition, dataset_size: int, global_batch: int) -> range:

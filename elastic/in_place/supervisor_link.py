@@ -6,7 +6,7 @@ the moment. A thread watches their results: when one says the supervisor died, i
 new supervisor by name and sends it again what it must know. That is the calls that say who
 the replica is (the last of each :data:`STICKY` kind), and the numbered news of the last
 :data:`RETAIN_S`, which the dead one may have held unread by the service. The new supervisor
-drops the news the service had already stored (elastic/job_loop.py), so nothing is told
+drops the news the service had already stored (elastic/supervisor/loop.py), so nothing is told
 twice or lost.
 """
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from elastic.loop import PerSampleRandom, TrainContext
+from elastic.train.context import PerSampleRandom, TrainContext
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 from jobs.workloads.safe_files import (
     DataError,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Subset
 
-from elastic.loop import TrainContext
+from elastic.train.context import TrainContext
 from jobs.workloads.safe_files import DataError, admin_detail, checked_path, must_exist, read_text
 from jobs.workloads.text_classification_params import TextClassificationHyperparameters
 

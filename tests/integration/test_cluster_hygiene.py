@@ -44,7 +44,7 @@ def test_a_placement_group_whose_creator_died_is_removed(ray_cluster: object) ->
     The namespace's membership watcher removes it; the driver's own group stays."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from elastic.capacity import RayCapacity
+    from elastic.cluster.capacity import RayCapacity
 
     @ray.remote(num_cpus=0)
     class Creator:

@@ -1,4 +1,4 @@
-"""Each ``distributed`` option on a world of 2 CPU workers: the same ``elastic.loop`` code
+"""Each ``distributed`` option on a world of 2 CPU workers: the same ``elastic.train.context`` code
 that Ray Train workers run, in two processes joined by Gloo on loopback (no Ray: starting a
 Ray Train job per option would cost ~20 s each on 2 cores). Each check trains, the loss goes
 down, and the option is shown to be in effect."""
@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from elastic.checkpoint_manager import load_model
-from elastic.distributed import is_sharded, unwrap
-from elastic.loop import TrainContext, run_with_context
-from elastic.worker import WorkerContext
+from elastic.checkpoint.writer import load_model
+from elastic.train.context import TrainContext, run_with_context
+from elastic.train.distributed import is_sharded, unwrap
+from elastic.train.worker import WorkerContext
 from jobs.spec import DistributedSpec
 from jobs.workloads.image_classification import build_dataset, build_model
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters

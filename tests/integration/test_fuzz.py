@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from elastic.scheduling import PRIORITY_CLASSES
+from elastic.cluster.scheduling import PRIORITY_CLASSES
 from jobs.spec import ENTRYPOINT_PATTERN, JobSpec
 from jobs.workloads import WORKLOADS
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters

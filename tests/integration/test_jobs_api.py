@@ -113,7 +113,7 @@ def test_the_supervisor_class_is_sent_to_ray_before_the_service_listens(
     """Ray pickles an actor class at its first creation in a process, holding the GIL for
     0.1-0.25 s: the service does it while it starts, not at its first launch, when every
     request in flight waited for it (bench/api_load.py)."""
-    from elastic.supervisor import Supervisor
+    from elastic.supervisor.actor import Supervisor
     from jobs import launcher
 
     # As in a new process: this test session's earlier services may have exported it.

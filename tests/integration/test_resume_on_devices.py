@@ -3,7 +3,7 @@ ends, on the CPU and on a CUDA GPU, in each precision: the checkpoint carries th
 the optimizer, the fp16 gradient scaler and every random generator (the model has dropout).
 On the GPU the same code runs on NCCL, and DDP's gradient hooks are checked on NCCL too.
 
-The ``elastic.loop`` code a worker runs, in this process and without Ray (the loop needs
+The ``elastic.train.context`` code a worker runs, in this process and without Ray (the loop needs
 none). On the GPU the process group is NCCL with one rank: NCCL refuses two ranks on one
 GPU. The CUDA cases are skipped without a GPU (CI has none); on a GPU machine:
 ``python -m pytest --noconftest tests/integration/test_resume_on_devices.py``.
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.checkpoint_storage import MANIFEST, sha256_of
-from elastic.distributed import DistributedOptions, register_compression
-from elastic.loop import TrainContext, run_with_context
-from elastic.worker import WorkerContext
+from elastic.checkpoint.storage import MANIFEST, sha256_of
+from elastic.train.context import TrainContext, run_with_context
+from elastic.train.distributed import DistributedOptions, register_compression
+from elastic.train.worker import WorkerContext
 
 STEPS = 12
 EVERY = 6

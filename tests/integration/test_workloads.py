@@ -10,9 +10,9 @@ import httpx
 import pytest
 import torch
 
-from elastic.checkpoint_manager import load_model, sharded_reader
-from elastic.loop import run_with_context
-from elastic.worker import WorkerContext
+from elastic.checkpoint.writer import load_model, sharded_reader
+from elastic.train.context import run_with_context
+from elastic.train.worker import WorkerContext
 from examples import custom_train_loop
 from jobs.spec import JobSpec
 from jobs.workloads.text_classification import TextEncoderClassifier

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.checkpoint_manager import STATE_FILE, CheckpointManager, cpu_copy
-from elastic.checkpoint_state import (
+from elastic.checkpoint.directory import CheckpointDir
+from elastic.checkpoint.parts import (
     CheckpointState,
     RankRng,
     ReplicatedModel,
@@ -26,9 +26,9 @@ from elastic.checkpoint_state import (
     seed_rank,
     set_rng_streams,
 )
-from elastic.checkpoint_storage import LocalCheckpointStorage
-from elastic.checkpoints import CheckpointDir
-from elastic.worker import WorkerContext
+from elastic.checkpoint.storage import LocalCheckpointStorage
+from elastic.checkpoint.writer import STATE_FILE, CheckpointManager, cpu_copy
+from elastic.train.worker import WorkerContext
 
 
 def test_each_part_gets_its_own_state_back_when_registered() -> None:
@@ -166,7 +166,7 @@ def test_sharded_checkpoints_load_without_the_standard_unpickler(tmp_path: Path)
 
     import torch.distributed.checkpoint as dcp
 
-    from elastic.checkpoint_manager import SHARDED_DIR, load_model, sharded_reader
+    from elastic.checkpoint.writer import SHARDED_DIR, load_model, sharded_reader
 
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic.checkpoint_storage import ObjectCheckpointStorage, is_object_uri, storage_for
-from elastic.checkpoints import CheckpointDir, CorruptCheckpoint
+from elastic.checkpoint.directory import CheckpointDir, CorruptCheckpoint
+from elastic.checkpoint.storage import ObjectCheckpointStorage, is_object_uri, storage_for
 from tests.s3_server import S3Server, s3_server
 
 
@@ -129,7 +129,7 @@ def test_saving_a_step_again_replaces_it_whole(s3: S3Server, bucket: str) -> Non
 def test_tensorboard_files_go_to_the_bucket(s3: S3Server, bucket: str, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from elastic.tensorboard import TensorBoardLog
+    from elastic.train.tensorboard import TensorBoardLog
 
     board = TensorBoardLog(f"s3://{bucket}/job", attempt=1, world_size=2, step=0)
     for step in (1, 2, 3):

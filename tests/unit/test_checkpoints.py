@@ -5,7 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from elastic.checkpoints import CheckpointDir, CheckpointGone, CorruptCheckpoint, steps_to_delete
+from elastic.checkpoint.directory import (
+    CheckpointDir,
+    CheckpointGone,
+    CorruptCheckpoint,
+    steps_to_delete,
+)
 
 
 def write(payload: bytes):
@@ -192,8 +197,8 @@ def test_saving_a_step_again_replaces_it_and_readers_always_see_one(tmp_path: Pa
 def test_a_worker_re_verifies_the_checkpoint_it_loads(tmp_path: Path) -> None:
     import torch
 
-    from elastic.checkpoint_manager import STATE_FILE, CheckpointManager
-    from elastic.worker import WorkerContext
+    from elastic.checkpoint.writer import STATE_FILE, CheckpointManager
+    from elastic.train.worker import WorkerContext
 
     info = CheckpointDir(tmp_path).save(10, lambda d: torch.save({"step": 10}, d / STATE_FILE))
     fine = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=10, resume_path=info.path)

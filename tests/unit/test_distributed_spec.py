@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from elastic.distributed import DistributedOptions
+from elastic.train.distributed import DistributedOptions
 from jobs.spec import DistributedSpec, JobSpec
 from tests.conftest import small_job
 

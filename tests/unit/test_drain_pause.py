@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from elastic.loop import run_with_context
-from elastic.worker import WorkerContext
+from elastic.train.context import run_with_context
+from elastic.train.worker import WorkerContext
 from examples.custom_train_loop import train_loop
 
 DRAIN_AT = 7

@@ -10,7 +10,7 @@ from elastic.in_place.steps import (
     participant_indices,
     step_positions,
 )
-from elastic.sampling import SamplerPosition, epoch_permutation
+from elastic.train.sampling import SamplerPosition, epoch_permutation
 
 
 @pytest.mark.parametrize("participants", [1, 2, 3])

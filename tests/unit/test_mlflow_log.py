@@ -1,4 +1,4 @@
-"""elastic.mlflow_log against a real SQLite tracking store, without Ray: attempts of one job
+"""elastic.train.mlflow_log against a real SQLite tracking store, without Ray: attempts of one job
 share its run, and the run's status follows how each attempt ended."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic import mlflow_log
+from elastic.train import mlflow_log
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastic.group_sockets import (
+from elastic.train.group_sockets import (
     GroupSockets,
     TcpSocket,
     belongs,
@@ -22,7 +22,7 @@ from elastic.group_sockets import (
     own_sockets,
     parse_tcp_table,
 )
-from elastic.process_group import ABANDON_POLL_S, AttemptAbandoned, all_reduce
+from elastic.train.process_group import ABANDON_POLL_S, AttemptAbandoned, all_reduce
 
 
 def two_ranks() -> dict[int, Any]:

@@ -9,7 +9,7 @@ from service.auth import Caller
 from service.routes.cluster import visible_queue
 from service.store import JobRow
 
-# What the scheduler's queue() answers (elastic/capacity.py's docstring has the format).
+# What the scheduler's queue() answers (elastic/cluster/capacity.py's docstring has the format).
 VIEW: dict[str, Any] = {
     "queue": [
         {

@@ -3,8 +3,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.policy import choose_world_size, workers_that_fit
-from elastic.sampling import (
+from elastic.supervisor.policy import choose_world_size, workers_that_fit
+from elastic.train.sampling import (
     SamplerPosition,
     advance,
     epoch_permutation,
@@ -77,8 +77,8 @@ def test_choose_the_largest_size_that_fits() -> None:
 
 
 def test_restarts_are_counted_per_cause_and_forgiven_by_progress() -> None:
-    from elastic.attempt import EndCause
-    from elastic.policy import RestartPolicy
+    from elastic.supervisor.attempt import EndCause
+    from elastic.supervisor.policy import RestartPolicy
 
     policy = RestartPolicy(max_restarts=1, node_loss_limit=2, start_failure_limit=1)
     assert policy.decide(EndCause.ERROR, progressed=False).retry

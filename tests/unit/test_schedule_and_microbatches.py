@@ -1,14 +1,14 @@
 import pytest
 
-from elastic.loop import (
+from elastic.supervisor.policy import below_min_for_too_long, grow_target
+from elastic.train.context import (
     LoopSettings,
     micro_batch_plan,
     micro_batches,
     passes_per_step,
     total_steps,
 )
-from elastic.policy import below_min_for_too_long, grow_target
-from elastic.schedule import lr_factor
+from elastic.train.lr_schedule import lr_factor
 
 
 def test_warmup_then_cosine_to_zero() -> None:

@@ -1,10 +1,10 @@
-"""The cluster scheduler's books (elastic/scheduler_book.py) without Ray: what a supervisor
+"""The cluster scheduler's books (elastic/cluster/books.py) without Ray: what a supervisor
 is told after each change, and what GET /v1/queue shows."""
 
 from __future__ import annotations
 
-from elastic.scheduler_book import SchedulerBook
-from elastic.scheduling import Change, Demand
+from elastic.cluster.books import SchedulerBook
+from elastic.cluster.scheduling import Change, Demand
 
 NODES = [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
 

@@ -1,4 +1,4 @@
-"""The scheduling policy (elastic/scheduling.py): named scenarios with exact outcomes, a
+"""The scheduling policy (elastic/cluster/scheduling.py): named scenarios with exact outcomes, a
 randomised cluster simulation checking its invariants at every step, and the trace
 benchmark's simulator on a tiny trace (so the benchmark cannot rot)."""
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic.scheduling import (
+from elastic.cluster.scheduling import (
     Change,
     Demand,
     JobRecord,

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from elastic.attempt import AttemptOutcome
-from elastic.attempt_runner import AttemptSpec, RunningAttempt
-from elastic.capacity import Reservation, Snapshot
-from elastic.checkpoints import CheckpointInfo
+from elastic.checkpoint.directory import CheckpointInfo
+from elastic.cluster.capacity import Reservation, Snapshot
+from elastic.cluster.scheduling import Change, Demand, Placement
 from elastic.events import EventLog
-from elastic.job_loop import JobLoop, Timing
-from elastic.plan import SupervisorPlan
-from elastic.scheduling import Change, Demand, Placement
+from elastic.supervisor.attempt import AttemptOutcome
+from elastic.supervisor.loop import JobLoop, Timing
+from elastic.supervisor.plan import SupervisorPlan
+from elastic.supervisor.runner import AttemptSpec, RunningAttempt
 from jobs.state import TRANSITIONS
 from tests.clock import Clock
 

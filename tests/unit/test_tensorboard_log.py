@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from elastic.tensorboard import TensorBoardLog, directory
+from elastic.train.tensorboard import TensorBoardLog, directory
 
 
 def read(checkpoint_dir: Path) -> EventAccumulator:

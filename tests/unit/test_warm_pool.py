@@ -10,11 +10,8 @@ import time
 
 import pytest
 
-from elastic import warm_pool
-from elastic.attempt import AttemptOutcome
-from elastic.attempt_runner import AttemptSpec
-from elastic.job_loop import Timing
-from elastic.warm_pool import (
+from elastic.restart import warm_pool
+from elastic.restart.warm_pool import (
     Ending,
     Member,
     PingRounds,
@@ -23,6 +20,9 @@ from elastic.warm_pool import (
     choose_warm,
     settle_deadline,
 )
+from elastic.supervisor.attempt import AttemptOutcome
+from elastic.supervisor.loop import Timing
+from elastic.supervisor.runner import AttemptSpec
 from tests.unit.test_supervisor_loop import FakeCluster, FakeRunner, Harness, run
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from elastic.worker_config import WorkerConfig, WorkerConfigError
+from elastic.train.worker_config import WorkerConfig, WorkerConfigError
 
 SENT = {
     "train_loop": "jobs.workloads.image_classification:train_loop",

@@ -1,6 +1,6 @@
 import sys
 
-from elastic.worker_logs import LineBuffer, forward_output
+from elastic.train.worker_logs import LineBuffer, forward_output
 
 
 def test_lines_are_split_per_stream_and_partials_kept() -> None:

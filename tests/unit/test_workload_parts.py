@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from elastic.loop import PerSampleRandom
+from elastic.train.context import PerSampleRandom
 from jobs.workloads.image_classification import Cifar10, build_datasets, build_model
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 from jobs.workloads.text_classification import (

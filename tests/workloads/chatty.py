@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from elastic.loop import TrainContext
+from elastic.train.context import TrainContext
 
 
 def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:

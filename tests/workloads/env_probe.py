@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from elastic.loop import TrainContext
+from elastic.train.context import TrainContext
 
 MARKER = "ENV-NAMES "
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from elastic.loop import TrainContext
+from elastic.train.context import TrainContext
 from jobs.workloads import image_classification
 
 HOLD_S = 120.0

@@ -10,8 +10,8 @@ import os
 import time
 from typing import Any
 
-from elastic.checkpoint_manager import CheckpointManager
-from elastic.loop import TrainContext
+from elastic.checkpoint.writer import CheckpointManager
+from elastic.train.context import TrainContext
 from tests.workloads import paced
 
 HOLD_S = 120.0

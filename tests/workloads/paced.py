@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic.loop import TrainContext
+from elastic.train.context import TrainContext
 from jobs.workloads.image_classification import build_datasets, build_model
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 

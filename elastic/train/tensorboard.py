@@ -64,7 +64,7 @@ class TensorBoardLog:
     ) -> None:
         from tensorboardX import SummaryWriter  # installed with Ray; imported where used
 
-        from elastic.checkpoint_storage import is_object_uri
+        from elastic.checkpoint.storage import is_object_uri
 
         self.path = directory(checkpoint_dir)
         # Where the writer writes: the directory itself, or a local one copied to the store.

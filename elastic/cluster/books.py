@@ -1,7 +1,7 @@
 """The cluster scheduler's books: every job that asked for workers, the owners' quotas, and
-the decision in force for each job. The shared actor (``elastic/capacity.py``) keeps one and
+the decision in force for each job. The shared actor (``elastic/cluster/capacity.py``) keeps one and
 asks it to plan again on every change; it holds no Ray and no clock, so the books are
-unit-tested like the policy (``elastic/scheduling.py``) they apply.
+unit-tested like the policy (``elastic/cluster/scheduling.py``) they apply.
 
 A decision is booked the moment it is made: the workers a job is told to start with are
 counted as its own before it starts, so no other job is told it may take them.
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from elastic.scheduling import (
+from elastic.cluster.scheduling import (
     Change,
     Demand,
     JobRecord,

@@ -11,11 +11,11 @@ from typing import Any
 # formed by hand, the GPU checks in tests/gpu) runs where Ray is not installed.
 import torch
 
-from elastic import mlflow_log
 from elastic.arrivals import Outbox
-from elastic.checkpoints import CheckpointDir
-from elastic.tensorboard import TensorBoardLog, resumed_step
-from elastic.worker_config import WorkerConfig
+from elastic.checkpoint.directory import CheckpointDir
+from elastic.train import mlflow_log
+from elastic.train.tensorboard import TensorBoardLog, resumed_step
+from elastic.train.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class WorkerContext:
     checkpoints: CheckpointDir = field(init=False)
     outbox: Outbox | None = field(init=False)
     # Set by the supervisor's word that the attempt failed elsewhere: collectives still
-    # waiting give up (elastic.process_group.all_reduce).
+    # waiting give up (elastic.train.process_group.all_reduce).
     abandoned: threading.Event = field(default_factory=threading.Event, init=False)
     _drain_noticed: threading.Event = field(default_factory=threading.Event, init=False)
     _closed: threading.Event = field(default_factory=threading.Event, init=False)
@@ -82,7 +82,7 @@ class WorkerContext:
         device: torch.device | None = None,
     ) -> WorkerContext:
         """The context of a worker placed by its supervisor. A warm worker
-        (``elastic/warm_pool.py``) is told its rank, world and device; without them they are
+        (``elastic/restart/warm_pool.py``) is told its rank, world and device; without them they are
         read from Ray Train's context (a loop run under a ``TorchTrainer`` of its own)."""
         if rank is None or world_size is None:
             from ray.train import get_context

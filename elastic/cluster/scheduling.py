@@ -2,7 +2,7 @@
 every job's demand (priority, owner, [min_workers, max_workers], resources per worker), the
 size each holds now, its measured throughput per world size, and the owners' quotas, it
 decides the size every job should have. No Ray, no clock of its own, no I/O: the cluster's
-one scheduler (``elastic/capacity.py``'s shared actor) calls it on every change, and the
+one scheduler (``elastic/cluster/capacity.py``'s shared actor) calls it on every change, and the
 trace benchmark (``bench/scheduler_trace.py``) runs it on a simulated cluster.
 
 The order of decisions:

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from elastic.tensorboard import SCALARS
+from elastic.train.tensorboard import SCALARS
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.checkpoint_state import CheckpointState
-from elastic.worker import WorkerContext
+from elastic.checkpoint.parts import CheckpointState
+from elastic.train.worker import WorkerContext
 
 STATE_FILE = "state.pt"
 SHARDED_DIR = "sharded"

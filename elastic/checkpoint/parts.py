@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from elastic.distributed import unwrap
+from elastic.train.distributed import unwrap
 
 
 class Stateful(Protocol):

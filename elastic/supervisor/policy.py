@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from elastic.attempt import EndCause
+from elastic.supervisor.attempt import EndCause
 
 
 def workers_that_fit(

@@ -18,9 +18,9 @@ import ray
 from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from elastic.policy import workers_that_fit
-from elastic.scheduler_book import SchedulerBook
-from elastic.scheduling import Demand, Knobs, Placement
+from elastic.cluster.books import SchedulerBook
+from elastic.cluster.scheduling import Demand, Knobs, Placement
+from elastic.supervisor.policy import workers_that_fit
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class MembershipWatcher:
         self.supervisors: dict[str, str] = {}  # job -> its supervisor's actor id
         self.checked_at = 0.0
         # checkpoint directory -> the live nodes that showed they share it (see
-        # elastic.checkpoint_storage.unshared_checkpoint_dir)
+        # elastic.checkpoint.storage.unshared_checkpoint_dir)
         self.sharing: dict[str, set[str]] = {}
 
     async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from elastic.checkpoint_manager import CheckpointManager
-from elastic.checkpoint_state import (
+from elastic.checkpoint.parts import (
     RankRng,
     ReplicatedModel,
     ReplicatedOptimizer,
@@ -36,7 +35,8 @@ from elastic.checkpoint_state import (
     ShardedOptimizer,
     Value,
 )
-from elastic.distributed import (
+from elastic.checkpoint.writer import CheckpointManager
+from elastic.train.distributed import (
     DistributedOptions,
     LocalSGD,
     Precision,
@@ -45,8 +45,9 @@ from elastic.distributed import (
     unwrap,
     wrap_model,
 )
-from elastic.process_group import AttemptAbandoned, all_reduce
-from elastic.sampling import (
+from elastic.train.lr_schedule import lr_factor
+from elastic.train.process_group import AttemptAbandoned, all_reduce
+from elastic.train.sampling import (
     SamplerPosition,
     advance,
     rank_indices,
@@ -54,8 +55,7 @@ from elastic.sampling import (
     share,
     steps_per_epoch,
 )
-from elastic.schedule import lr_factor
-from elastic.worker import WorkerContext
+from elastic.train.worker import WorkerContext
 
 LossPerSample = Callable[[Any, torch.Tensor], torch.Tensor]
 

@@ -1,7 +1,7 @@
 """What the supervisor's loop knows of an attempt: :class:`AttemptSpec` in,
-:class:`~elastic.attempt.AttemptOutcome` out, through an :class:`AttemptRunner`.
+:class:`~elastic.supervisor.attempt.AttemptOutcome` out, through an :class:`AttemptRunner`.
 
-Two runners place work on the cluster: ``elastic/warm_pool.py`` (``restart``: a worker group
+Two runners place work on the cluster: ``elastic/restart/warm_pool.py`` (``restart``: a worker group
 on a pool of warm worker actors, a new group per attempt) and ``elastic/in_place/runner.py``
 (``in_place``: torchft replicas). This module imports neither Ray nor torch: the supervisor
 imports it at start-up.
@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from elastic.attempt import AttemptOutcome
+from elastic.supervisor.attempt import AttemptOutcome
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class AttemptRunner(Protocol):
 
 
 class WarmRunner(AttemptRunner, Protocol):
-    """A runner whose workers outlive an attempt (``elastic/warm_pool.py``): between
+    """A runner whose workers outlive an attempt (``elastic/restart/warm_pool.py``): between
     attempts they keep their slots, which the loop counts as the job's own."""
 
     def warm_workers(self, exclude: Collection[str] = ()) -> int:

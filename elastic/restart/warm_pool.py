@@ -43,11 +43,11 @@ from typing import Any
 import ray
 
 from elastic.arrivals import Outbox
-from elastic.attempt import AttemptOutcome
-from elastic.attempt_runner import AttemptSpec, RunningAttempt, last_line, resolve
-from elastic.group_sockets import GroupSockets
 from elastic.in_place.orphan import die_with_parent
-from elastic.worker_logs import FLUSH_S, forward_output
+from elastic.supervisor.attempt import AttemptOutcome
+from elastic.supervisor.runner import AttemptSpec, RunningAttempt, last_line, resolve
+from elastic.train.group_sockets import GroupSockets
+from elastic.train.worker_logs import FLUSH_S, forward_output
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class WarmWorker:
         """Import what every attempt needs, once; returns (node id, pid)."""
         import torch  # noqa: F401
 
-        import elastic.loop  # noqa: F401
+        import elastic.train.context  # noqa: F401
 
         try:  # the job's own module; an error here is the loop's to report, at its run
             resolve(train_loop)
@@ -162,7 +162,7 @@ class WarmWorker:
 
     def open_store(self, world_size: int, timeout_s: float) -> tuple[str, int]:
         """Rank 0 of an attempt: a fresh rendezvous store on this node's Ray address."""
-        from elastic.process_group import bound_store
+        from elastic.train.process_group import bound_store
 
         self._close_store()
         host = ray.util.get_node_ip_address()
@@ -190,9 +190,9 @@ class WarmWorker:
         import torch
         import torch.distributed as dist
 
-        from elastic.loop import run_with_context
-        from elastic.process_group import AttemptAbandoned, join_process_group
-        from elastic.worker import WorkerContext
+        from elastic.train.context import run_with_context
+        from elastic.train.process_group import AttemptAbandoned, join_process_group
+        from elastic.train.worker import WorkerContext
 
         meta = config["_elastic"]
         supervisor = ray.get_actor(meta["supervisor"], namespace=meta["namespace"])
@@ -226,7 +226,7 @@ class WarmWorker:
                     result["failed_at"] = time.time()  # before its peers fail because of it
                     # Peers waiting on this worker in a collective fail now, rather than at
                     # the collective timeout: its group's sockets stay open otherwise
-                    # (elastic/group_sockets.py).
+                    # (elastic/train/group_sockets.py).
                     if self.group is not None:
                         self.group.shut()
                     text = last_line(str(e))

@@ -21,14 +21,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from elastic.arrivals import InOrder
-from elastic.attempt import Attempt, AttemptOutcome, EndCause, Recovery
-from elastic.attempt_runner import AttemptRunner, AttemptSpec, RunningAttempt
-from elastic.capacity import CapacitySource, Reservation, Snapshot
-from elastic.checkpoints import CheckpointInfo
+from elastic.checkpoint.directory import CheckpointInfo
+from elastic.cluster.capacity import CapacitySource, Reservation, Snapshot
+from elastic.cluster.scheduling import Demand, Placement
 from elastic.events import EventKind, EventLog
-from elastic.plan import SupervisorPlan
-from elastic.policy import RestartPolicy, below_min_for_too_long, choose_world_size, grow_target
-from elastic.scheduling import Demand, Placement
+from elastic.supervisor.attempt import Attempt, AttemptOutcome, EndCause, Recovery
+from elastic.supervisor.plan import SupervisorPlan
+from elastic.supervisor.policy import (
+    RestartPolicy,
+    below_min_for_too_long,
+    choose_world_size,
+    grow_target,
+)
+from elastic.supervisor.runner import AttemptRunner, AttemptSpec, RunningAttempt
 
 log = logging.getLogger(__name__)
 

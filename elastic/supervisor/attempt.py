@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from elastic.scheduling import Placement
+from elastic.cluster.scheduling import Placement
 
 
 class EndCause(StrEnum):

@@ -1,6 +1,6 @@
 """The supervisor: a detached Ray actor that owns one job's life on the cluster.
 
-It is the Ray face of :class:`elastic.job_loop.JobLoop`, which decides everything: this
+It is the Ray face of :class:`elastic.supervisor.loop.JobLoop`, which decides everything: this
 actor wires that loop to the cluster (the shared capacity watcher, the attempts' workers, the
 job's checkpoint directory) and answers the workers and the service. Its event log is held
 until the service acknowledges what it has stored (see :mod:`elastic.events`). It knows
@@ -15,14 +15,14 @@ from typing import Any
 
 import ray
 
-from elastic.attempt_runner import AttemptSpec
-from elastic.capacity import RayCapacity
-from elastic.checkpoint_storage import unshared_checkpoint_dir
-from elastic.checkpoints import CheckpointDir
+from elastic.checkpoint.directory import CheckpointDir
+from elastic.checkpoint.storage import unshared_checkpoint_dir
+from elastic.cluster.capacity import RayCapacity
 from elastic.events import EventLog
-from elastic.job_loop import TERMINAL, JobLoop
-from elastic.plan import SupervisorPlan
-from elastic.warm_pool import WarmPoolRunner
+from elastic.restart.warm_pool import WarmPoolRunner
+from elastic.supervisor.loop import TERMINAL, JobLoop
+from elastic.supervisor.plan import SupervisorPlan
+from elastic.supervisor.runner import AttemptSpec
 
 __all__ = ["TERMINAL", "Supervisor", "SupervisorPlan", "worker_config"]
 

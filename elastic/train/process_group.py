@@ -7,7 +7,7 @@ unauthenticated key-value store open to the whole network on rank 0's node, even
 itself is kept on loopback. Here rank 0 binds the listening socket to Ray's address for the
 node (loopback for the embedded default) and hands it to the store; the other ranks connect
 to it, and every rank joins the group through that store. Each attempt opens a store of its
-own (a warm worker outlives its attempts: see ``elastic/warm_pool.py``).
+own (a warm worker outlives its attempts: see ``elastic/restart/warm_pool.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.group_sockets import GroupSockets, listening_since, own_sockets
+from elastic.train.group_sockets import GroupSockets, listening_since, own_sockets
 
 # Where each rank tells the attempt's store which ports it listens on for the group.
 PORTS_KEY = "elastic/group-ports"
@@ -87,7 +87,7 @@ def join_process_group(
 ) -> GroupSockets:
     """Join the attempt's process group: rank 0 through the store it opened
     (``master_store``), the others as clients of it. Returns the group's sockets in this
-    process, to shut when the attempt fails (``elastic/group_sockets.py``)."""
+    process, to shut when the attempt fails (``elastic/train/group_sockets.py``)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         assert master_store is not None, "rank 0 hosts the store"

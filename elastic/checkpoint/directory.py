@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.checkpoint_storage import (
+from elastic.checkpoint.storage import (
     MANIFEST,
     CheckpointStorage,
     is_object_uri,
