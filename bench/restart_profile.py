@@ -8,7 +8,7 @@ events (state changes, attempts, the first step of each attempt, recovery figure
 start and end of every Ray actor of the run (the supervisor, and the job's `WarmWorker`s:
 the ones placed at the start, which carry every later attempt unless they die, and any
 placed later for a slot that had none), from Ray's actor table. Until the warm pool
-(`elastic/restart/warm_pool.py`) it showed a restart's serial chain of new processes: the
+(`elastic/restart/`) it showed a restart's serial chain of new processes: the
 supervisor's `FitActor`, Ray Train's controller, its workers and its helper actors.
 
     .venv/bin/python -m bench.restart_profile [--startup-concurrency N]

@@ -12,8 +12,7 @@ import ray
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
-from elastic.cluster import capacity
-from elastic.supervisor import policy
+from elastic.cluster import capacity, scheduling
 from elastic.supervisor.actor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
@@ -175,7 +174,7 @@ def supervisor_name(job_id: str) -> str:
 def max_workers_ever(spec: JobSpec, nodes: Iterable[Mapping[str, float]]) -> int:
     """How many of the spec's workers a cluster of ``nodes`` (each node's total resources)
     could hold if it ran nothing else."""
-    return policy.workers_that_fit(nodes, spec.scaling.worker_resources())
+    return scheduling.workers_that_fit(nodes, spec.scaling.worker_resources())
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,7 @@ from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.cluster.books import SchedulerBook
-from elastic.cluster.scheduling import Demand, Knobs, Placement
-from elastic.supervisor.policy import workers_that_fit
+from elastic.cluster.scheduling import Demand, Knobs, Placement, workers_that_fit
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -701,3 +701,17 @@ def queue(jobs: Sequence[JobRecord], placements: Mapping[str, Placement]) -> lis
         )
         for i, r in enumerate(waiting, start=1)
     ]
+
+
+def workers_that_fit(
+    free_per_node: Iterable[Mapping[str, float]], per_worker: Mapping[str, float]
+) -> int:
+    """How many workers of ``per_worker`` resources fit, each within a single node."""
+    total = 0
+    for free in free_per_node:
+        fits = min(
+            (int(free.get(name, 0.0) // amount) for name, amount in per_worker.items() if amount),
+            default=0,
+        )
+        total += max(0, fits)
+    return total

@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from elastic.in_place.orphan import command_line
+from elastic.train.orphan import command_line
 
 log = logging.getLogger(__name__)
 

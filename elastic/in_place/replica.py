@@ -19,9 +19,10 @@ from elastic.arrivals import Outbox
 from elastic.checkpoint.directory import CheckpointDir
 from elastic.in_place.heartbeats import ExtraHeartbeats
 from elastic.in_place.members import QuorumMembers, replica_id
-from elastic.in_place.orphan import die_with_parent
-from elastic.supervisor.runner import resolve
+from elastic.train.entrypoint import resolve
+from elastic.train.orphan import die_with_parent
 from elastic.train.worker_config import WorkerConfig
+from elastic.train.worker_logs import LOG_FLUSH_S
 
 # The lighthouse forgets a replica whose heartbeats stop for this long. It is most of the
 # survivors' pause after a loss: a dead peer's collective error comes at once, but the
@@ -250,10 +251,6 @@ def wait_for_starters(lighthouse: str, starting: int, timeout_s: float) -> int:
             time.sleep(0.05)
     finally:
         status.close()
-
-
-# How long a replica that ends waits for its last log lines to reach the supervisor.
-LOG_FLUSH_S = 10.0
 
 
 # Threads: ``run`` trains; ``abort_step`` reaches it while a collective is in flight; each

@@ -19,7 +19,7 @@ from elastic.checkpoint.directory import CheckpointDir
 from elastic.checkpoint.storage import unshared_checkpoint_dir
 from elastic.cluster.capacity import RayCapacity
 from elastic.events import EventLog
-from elastic.restart.warm_pool import WarmPoolRunner
+from elastic.restart.runner import WarmPoolRunner
 from elastic.supervisor.loop import TERMINAL, JobLoop
 from elastic.supervisor.plan import SupervisorPlan
 from elastic.supervisor.runner import AttemptSpec

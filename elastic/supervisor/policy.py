@@ -4,24 +4,9 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from elastic.supervisor.attempt import EndCause
-
-
-def workers_that_fit(
-    free_per_node: Iterable[Mapping[str, float]], per_worker: Mapping[str, float]
-) -> int:
-    """How many workers of ``per_worker`` resources fit, each within a single node."""
-    total = 0
-    for free in free_per_node:
-        fits = min(
-            (int(free.get(name, 0.0) // amount) for name, amount in per_worker.items() if amount),
-            default=0,
-        )
-        total += max(0, fits)
-    return total
 
 
 def choose_world_size(min_workers: int, max_workers: int, fitting: int) -> int | None:

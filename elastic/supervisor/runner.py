@@ -1,7 +1,7 @@
 """What the supervisor's loop knows of an attempt: :class:`AttemptSpec` in,
 :class:`~elastic.supervisor.attempt.AttemptOutcome` out, through an :class:`AttemptRunner`.
 
-Two runners place work on the cluster: ``elastic/restart/warm_pool.py`` (``restart``: a worker group
+Two runners place work on the cluster: ``elastic/restart/runner.py`` (``restart``: a worker group
 on a pool of warm worker actors, a new group per attempt) and ``elastic/in_place/runner.py``
 (``in_place``: torchft replicas). This module imports neither Ray nor torch: the supervisor
 imports it at start-up.
@@ -9,10 +9,9 @@ imports it at start-up.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from elastic.supervisor.attempt import AttemptOutcome
 
@@ -76,7 +75,7 @@ class AttemptRunner(Protocol):
 
 
 class WarmRunner(AttemptRunner, Protocol):
-    """A runner whose workers outlive an attempt (``elastic/restart/warm_pool.py``): between
+    """A runner whose workers outlive an attempt (``elastic/restart/runner.py``): between
     attempts they keep their slots, which the loop counts as the job's own."""
 
     def warm_workers(self, exclude: Collection[str] = ()) -> int:
@@ -86,14 +85,3 @@ class WarmRunner(AttemptRunner, Protocol):
     def close(self) -> None:
         """The job ended: let every worker go."""
         ...
-
-
-def last_line(text: str) -> str:
-    """The last non-blank line of an error's text (whose first lines may be a traceback)."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
-
-
-def resolve(entrypoint: str) -> Any:
-    module, _, name = entrypoint.partition(":")
-    return getattr(importlib.import_module(module), name)

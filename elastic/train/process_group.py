@@ -7,7 +7,7 @@ unauthenticated key-value store open to the whole network on rank 0's node, even
 itself is kept on loopback. Here rank 0 binds the listening socket to Ray's address for the
 node (loopback for the embedded default) and hands it to the store; the other ranks connect
 to it, and every rank joins the group through that store. Each attempt opens a store of its
-own (a warm worker outlives its attempts: see ``elastic/restart/warm_pool.py``).
+own (a warm worker outlives its attempts: see ``elastic/restart/worker.py``).
 """
 
 from __future__ import annotations

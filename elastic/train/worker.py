@@ -82,7 +82,7 @@ class WorkerContext:
         device: torch.device | None = None,
     ) -> WorkerContext:
         """The context of a worker placed by its supervisor. A warm worker
-        (``elastic/restart/warm_pool.py``) is told its rank, world and device; without them they are
+        (``elastic/restart/worker.py``) is told its rank, world and device; without them they are
         read from Ray Train's context (a loop run under a ``TorchTrainer`` of its own)."""
         if rank is None or world_size is None:
             from ray.train import get_context

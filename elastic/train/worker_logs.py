@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 FLUSH_S = 0.5
+# How long a worker that ends (either mode) waits for its last log lines to reach the supervisor.
+LOG_FLUSH_S = 10.0
 MAX_LINE = 8192
 MAX_PENDING = 5000  # lines; past this the oldest are dropped, and the log says so
 

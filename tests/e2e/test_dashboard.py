@@ -320,7 +320,7 @@ def test_a_node_dies_the_charts_show_it_and_the_user_cancels_from_the_job_page(
     before = [n for t, n in zip(times, sizes, strict=True) if t < killed_at]
     after = [n for t, n in zip(times, sizes, strict=True) if t > killed_at]
     # In place, the killed node's replica outlives its raylet by up to a 50 ms poll
-    # (elastic/in_place/orphan.py) and may take part in a step at 3 after one at 2: the
+    # (elastic/train/orphan.py) and may take part in a step at 3 after one at 2: the
     # chart shows what trained. It ends at 2.
     assert set(before) == {3} and after[-1] == 2 and after.count(2) >= 1
     lost = world.locator(".marker[data-kind=worker_lost]")

@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from elastic.restart.warm_pool import SETTLE_S
+from elastic.restart.runner import SETTLE_S
 from jobs import launcher
 from tests.conftest import (
     NAMESPACE,
@@ -356,7 +356,7 @@ def test_a_job_whose_supervisor_dies_goes_on_from_its_checkpoint(
 
 # Kill to the first step at the new size: bench/recovery.py's median on the 2-core machine
 # was 23.7 s (22.0-24.4) with a Ray Train worker group per attempt, and is 2.3 s (2.2-7.5)
-# on warm workers (elastic/restart/warm_pool.py); a full-suite run here once took 49 s with the old
+# on warm workers (elastic/restart/); a full-suite run here once took 49 s with the old
 # path (the machine loaded with the processes earlier tests leave). The bound leaves room
 # for a loaded machine and for the cold path (survivors killed, new workers placed).
 RECOVERY_BOUND_S = 60

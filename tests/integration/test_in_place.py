@@ -42,7 +42,7 @@ from tests.workloads.held_heal import parameters_digest
 pytestmark = [pytest.mark.ray, pytest.mark.alone]
 
 # The survivors' longest pause around a loss. A peer whose sockets reset (its process
-# died; a replica ends within 50 ms of its raylet, elastic/in_place/orphan.py) fails their
+# died; a replica ends within 50 ms of its raylet, elastic/train/orphan.py) fails their
 # all-reduce at once: well under a second. A peer that stops without resetting them
 # (frozen) is detected by the lighthouse's heartbeat timeout (0.3 s, plus up to one 50 ms
 # heartbeat interval), the supervisor's poll of it (0.1 s) and the abort; the pause also

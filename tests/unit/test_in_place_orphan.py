@@ -1,4 +1,4 @@
-"""A replica whose raylet died ends at once (elastic/in_place/orphan.py): real processes,
+"""A replica whose raylet died ends at once (elastic/train/orphan.py): real processes,
 the parent SIGKILLed as a raylet is when its node fails."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ time.sleep(60)
 
 CHILD = """
 import os, sys, time
-from elastic.in_place.orphan import die_with_parent
+from elastic.train.orphan import die_with_parent
 name = os.path.basename(sys.executable).encode()
 watching = die_with_parent(parent_name=name)
 print("watching" if watching else "not watching", file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic.supervisor.policy import choose_world_size, workers_that_fit
+from elastic.cluster.scheduling import workers_that_fit
+from elastic.supervisor.policy import choose_world_size
 from elastic.train.sampling import (
     SamplerPosition,
     advance,

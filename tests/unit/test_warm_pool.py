@@ -10,16 +10,17 @@ import time
 
 import pytest
 
-from elastic.restart import warm_pool
-from elastic.restart.warm_pool import (
+from elastic.restart import runner as warm_pool
+from elastic.restart import worker as warm_worker
+from elastic.restart.runner import (
     Ending,
     Member,
     PingRounds,
     WarmPoolRunner,
-    WarmWorker,
     choose_warm,
     settle_deadline,
 )
+from elastic.restart.worker import WarmWorker
 from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.loop import Timing
 from elastic.supervisor.runner import AttemptSpec
@@ -216,7 +217,7 @@ def test_a_stuck_worker_tells_where_its_training_thread_is(
 ) -> None:
     """Before a run that outlived the settle bound is killed, its training thread's stack goes
     into the job's log (the worker's stderr, which its run forwards)."""
-    monkeypatch.setattr(warm_pool, "FLUSH_S", 0.0)
+    monkeypatch.setattr(warm_worker, "FLUSH_S", 0.0)
     cls = WarmWorker.__ray_actor_class__  # the actor's own class, without Ray
     worker = cls.__new__(cls)  # no __init__: it binds Gloo to the node and watches its parent
     worker.training_thread = None
