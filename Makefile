@@ -51,11 +51,13 @@ test: $(TEST_STAMP) $(JS_STAMP) $(CHROMIUM) $(NFT)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(PYTEST_WRAP) $(PY) -m pytest -n 2 --dist loadgroup -ra --durations=40
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check service jobs elastic elastic_train tests bench examples
 	$(VENV)/bin/ruff format --check service jobs elastic elastic_train tests bench examples
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .etrain dashboards/node_modules

@@ -108,10 +108,16 @@ def serve(args: tuple[str, ...]) -> None:
 
 
 def _serve(args: list[str]) -> int:
-    # Only here does the CLI import the service (FastAPI, Ray): every other command starts fast.
-    from service.cli import main as serve_main
+    # The service registers its command under this entry point, so that the client's package
+    # never imports the service's (FastAPI, Ray): every other command starts fast.
+    from importlib.metadata import entry_points
 
-    return serve_main(["serve", *args])
+    found = entry_points(group="etrain.server", name="serve")
+    if not found:
+        print("etrain serve: the service is not installed with this client", file=sys.stderr)
+        return 2
+    serve_main = next(iter(found)).load()
+    return int(serve_main(["serve", *args]))
 
 
 @cli.command()
