@@ -47,8 +47,8 @@ import httpx
 import torch
 
 from bench.recovery import stamp
+from elastic.job_state import TERMINAL_STATES
 from tests.conftest import (
-    TERMINAL,
     all_events,
     longest_pause_after,
     wait_for,
@@ -119,7 +119,7 @@ def first_step_at(api: httpx.Client, job_id: str) -> float:
 
 
 def ended(api: httpx.Client, job_id: str) -> bool:
-    return api.get(f"/v1/jobs/{job_id}").json()["state"] in TERMINAL
+    return api.get(f"/v1/jobs/{job_id}").json()["state"] in TERMINAL_STATES
 
 
 def inject(host: Host, kind: str) -> Fault:

@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elastic.job_state import JobState
     from elastic_train.aio import AsyncClient, AsyncJob
     from elastic_train.client import Client, Job
     from elastic_train.errors import (
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
         Unauthorized,
     )
     from elastic_train.models import Checkpoint, Event, JobInfo, LogLine, Me, MetricSeries
-    from jobs.state import JobState
 
 _WHERE = {
     "AsyncClient": "elastic_train.aio",
@@ -57,7 +57,7 @@ _WHERE = {
     **dict.fromkeys(
         ["Checkpoint", "Event", "JobInfo", "LogLine", "Me", "MetricSeries"], "elastic_train.models"
     ),
-    "JobState": "jobs.state",
+    "JobState": "elastic.job_state",
 }
 
 __all__ = [

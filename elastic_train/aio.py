@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from httpx_sse import EventSource
 
+from elastic.job_state import JobState
 from elastic_train import config, protocol
 from elastic_train.client import USER_AGENT
 from elastic_train.errors import ConnectionFailed, from_problem
@@ -31,7 +32,6 @@ from elastic_train.models import (
     log_lines,
     metric_point,
 )
-from jobs.state import JobState
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from elastic.job_state import JobState
 from elastic_train import config
 from elastic_train.errors import (
     BadRequest,
@@ -21,7 +22,6 @@ from elastic_train.errors import (
     Unauthorized,
 )
 from elastic_train.jobfile import JobFileError
-from jobs.state import JobState
 
 if TYPE_CHECKING:
     from rich.console import Console

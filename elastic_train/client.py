@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from httpx_sse import EventSource
 
+from elastic.job_state import JobState
 from elastic_train import config, protocol
 from elastic_train.errors import ConnectionFailed, from_problem
 from elastic_train.models import (
@@ -30,7 +31,6 @@ from elastic_train.models import (
     log_lines,
     metric_point,
 )
-from jobs.state import JobState
 
 if TYPE_CHECKING:
     from jobs.spec import JobSpec

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from jobs.state import JobState
+from elastic.job_state import JobState
 
 
 class _Answer(BaseModel):

@@ -13,10 +13,10 @@ from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
 from elastic.cluster import capacity, scheduling
+from elastic.job_state import JobState
 from elastic.supervisor.actor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
 from jobs.spec import JobSpec
-from jobs.state import TRANSITIONS, JobState
 from jobs.workloads import WORKLOADS
 
 log = logging.getLogger(__name__)
@@ -230,15 +230,14 @@ def launch(
         min_workers_grace_s=spec.failure.min_workers_grace_s,
         actor_name=supervisor_name(job_id),
         namespace=namespace,
-        transitions={s.value: [t.value for t in ts] for s, ts in TRANSITIONS.items()},
-        initial_state=resume.state if resume else JobState.QUEUED.value,
+        initial_state=JobState(resume.state) if resume else JobState.QUEUED,
         recreated=resume is not None,
         last_step=resume.step if resume else 0,
         last_world_size=resume.world_size if resume else 0,
         delivered=dict(resume.delivered) if resume else {},
         # Every attempt took a sequence number for its attempt_started event: none is above.
         first_attempt=first_seq if resume else 1,
-        fault_tolerance=spec.fault_tolerance or "restart",
+        fault_tolerance=spec.recovery_mode,
         owner=owner,
         priority=spec.priority_value,
         submitted_at=submitted_at,

@@ -222,6 +222,20 @@ class JobSpec(BaseModel):
         return priority_value(self.priority)
 
     @property
+    def recovery_mode(self) -> Literal["in_place", "restart"]:
+        """How the job recovers: what it asked for, else in place where its options allow it.
+        Decided here alone; the launcher and the supervisor take it from this."""
+        if self.fault_tolerance is not None:
+            return self.fault_tolerance
+        return "restart" if self._why_not_in_place() else "in_place"
+
+    def _why_not_in_place(self) -> str | None:
+        d = self.distributed
+        return _why_not_in_place(
+            d.strategy, d.sync, d.gradient_compression, self.scaling.gpus_per_worker
+        )
+
+    @property
     def is_custom(self) -> bool:
         return self.workload not in WORKLOADS
 
@@ -332,11 +346,10 @@ class JobSpec(BaseModel):
                 "holds the averaged model",
                 d.local_sgd_period,
             )
-        why_not = _why_not_in_place(d.strategy, d.sync, d.gradient_compression, gpus)
-        if self.fault_tolerance is None:
-            self.fault_tolerance = "restart" if why_not else "in_place"
-        elif self.fault_tolerance == "in_place" and why_not:
+        why_not = self._why_not_in_place()
+        if self.fault_tolerance == "in_place" and why_not:
             raise field_error("JobSpec", "fault_tolerance", why_not, self.fault_tolerance)
+        self.fault_tolerance = self.recovery_mode
         if d.precision != "fp32" and self.hyperparameters.get("dtype") == "float64":
             raise refuse(
                 "precision",

@@ -16,9 +16,9 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from elastic.job_state import JobState
 from jobs import cluster, isolation, launcher, memory, queue
 from jobs.spec import JobSpec
-from jobs.state import JobState
 from jobs.workloads.data_paths import DataAccess, PathRefused
 from service import quotas
 from service.errors import (

@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jobs.state import TERMINAL_STATES, JobState
+from elastic.job_state import TERMINAL_STATES, JobState
 from service.deps import BearerDep, ServicesDep, authenticate, unauthorized
 from service.problems import Problem
 from service.store import JobRow, Store

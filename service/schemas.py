@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from elastic.job_state import JobState
 from jobs.spec import priority_value
-from jobs.state import JobState
 
 
 def _utc(moment: datetime) -> datetime:

@@ -14,6 +14,8 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from elastic.events import EventKind
+from elastic.job_state import TERMINAL_STATES
 from service.schemas import event_json
 
 # Asked again, at least every keep-alive interval, whether the stream's token still works.
@@ -202,12 +204,11 @@ class TokenWatch:
         return False
 
 
-TERMINAL_STATES = ("succeeded", "failed", "cancelled")
 BACKLOG_PAGE = 500
 
 
 def _is_terminal(event: dict[str, Any]) -> bool:
-    return event["kind"] == "state" and event["data"].get("state") in TERMINAL_STATES
+    return event["kind"] == EventKind.STATE and event["data"].get("state") in TERMINAL_STATES
 
 
 async def job_events(

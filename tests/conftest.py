@@ -39,6 +39,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
+from elastic.job_state import TERMINAL_STATES
 from tests.pg_schema import scratch_schema
 
 NAMESPACE = "elastic-train-tests"
@@ -295,7 +296,6 @@ def supervisors_outliving_their_job(grace_s: float = SUPERVISOR_AFTER_END_S) -> 
     leak (each holds a process, and its job's Ray resources, forever)."""
     import ray
 
-    from elastic.supervisor.loop import TERMINAL
     from jobs.launcher import ACTOR_PREFIX
 
     deadline = time.monotonic() + grace_s
@@ -309,7 +309,7 @@ def supervisors_outliving_their_job(grace_s: float = SUPERVISOR_AFTER_END_S) -> 
                 state = ray.get(handle.status.remote(), timeout=5)["state"]
             except Exception:  # it ended meanwhile, or does not answer
                 continue
-            if state in TERMINAL:
+            if state in TERMINAL_STATES:
                 ended.append(f"{actor['name']} ({state})")
         if not ended or time.monotonic() > deadline:
             return ended
@@ -473,15 +473,12 @@ def wait_for(predicate: Any, timeout: float, interval: float = 0.2, what: str = 
         time.sleep(interval)
 
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
-
-
 def wait_until_ended(
     client: httpx.Client, job_id: str, timeout: float = 300, interval: float = 0.2
 ) -> dict[str, Any]:
     """Poll the API until the job is in an end state; its last view."""
     return wait_for(  # type: ignore[no-any-return]
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL_STATES and j,
         timeout,
         interval,
         what=f"job {job_id} to end",

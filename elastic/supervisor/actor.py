@@ -20,11 +20,11 @@ from elastic.checkpoint.storage import unshared_checkpoint_dir
 from elastic.cluster.capacity import RayCapacity
 from elastic.events import EventLog
 from elastic.restart.runner import WarmPoolRunner
-from elastic.supervisor.loop import TERMINAL, JobLoop
+from elastic.supervisor.loop import JobLoop
 from elastic.supervisor.plan import SupervisorPlan
 from elastic.supervisor.runner import AttemptSpec
 
-__all__ = ["TERMINAL", "Supervisor", "SupervisorPlan", "worker_config"]
+__all__ = ["Supervisor", "SupervisorPlan", "worker_config"]
 
 
 def worker_config(plan: SupervisorPlan, spec: AttemptSpec) -> dict[str, Any]:

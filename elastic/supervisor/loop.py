@@ -25,6 +25,7 @@ from elastic.checkpoint.directory import CheckpointInfo
 from elastic.cluster.capacity import CapacitySource, Reservation, Snapshot
 from elastic.cluster.scheduling import Demand, Placement
 from elastic.events import EventKind, EventLog
+from elastic.job_state import TERMINAL_STATES, JobState, check_transition
 from elastic.supervisor.attempt import Attempt, AttemptOutcome, EndCause, Recovery
 from elastic.supervisor.plan import SupervisorPlan
 from elastic.supervisor.policy import (
@@ -37,7 +38,6 @@ from elastic.supervisor.runner import AttemptRunner, AttemptSpec, RunningAttempt
 
 log = logging.getLogger(__name__)
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 Step = Callable[[], Awaitable["Step | None"]]
 # A worker's news: its kind, its data, (sender, number) when it was numbered, and when the
@@ -96,7 +96,7 @@ class JobLoop:
         # Why the job's checkpoint location cannot serve it (None: it can), asked once at
         # start: a location only some nodes see would lose every checkpoint to a restart.
         self.storage_check = storage_check
-        self.state = plan.initial_state
+        self.state = JobState(plan.initial_state)
         self.restarts = RestartPolicy(plan.max_restarts)
         self.attempt: Attempt | None = None
         self.recovery: Recovery | None = None
@@ -125,12 +125,12 @@ class JobLoop:
     async def run(self) -> None:
         step: Step | None = self._start
         try:
-            while step is not None and self.state not in TERMINAL:
+            while step is not None and self.state not in TERMINAL_STATES:
                 step = await step()
         except Exception as e:  # a bug here must still end the job where a user sees it
             log.exception("supervisor of %s failed", self.plan.job_id)
-            if self.state not in TERMINAL:
-                self._set_state("failed", reason=f"supervisor error: {e!r}")
+            if self.state not in TERMINAL_STATES:
+                self._set_state(JobState.FAILED, reason=f"supervisor error: {e!r}")
         finally:
             await self._drop_reservation()
             close = getattr(self.runner, "close", None)
@@ -143,7 +143,7 @@ class JobLoop:
         if self.storage_check is not None:
             problem = await self.storage_check()
             if problem is not None:
-                self._set_state("failed", reason=problem)
+                self._set_state(JobState.FAILED, reason=problem)
                 return None
         if self.plan.recreated:
             running = await self.runner.find_running()
@@ -177,28 +177,28 @@ class JobLoop:
                 # The scheduler holds it back (its queue, a quota, a job of higher priority):
                 # it waits as a queued job, and the grace for lost workers does not run.
                 assert decided is not None
-                if self.state == "recovering":  # its recovery spans the wait
-                    self._set_state("queued", reason=decided.reason)
+                if self.state == JobState.RECOVERING:  # its recovery spans the wait
+                    self._set_state(JobState.QUEUED, reason=decided.reason)
                 self._waiting(decided.reason)
                 continue
             size = choose_world_size(self.plan.min_workers, cap, fit)
             self.replicas = None if decided is None else cap
             if size is None:
-                if self.state == "recovering" and below_min_for_too_long(
+                if self.state == JobState.RECOVERING and below_min_for_too_long(
                     time.monotonic() - began, self.plan.min_workers_grace_s
                 ):
-                    self._set_state("failed", reason=self._too_few(fit, grace=True))
+                    self._set_state(JobState.FAILED, reason=self._too_few(fit, grace=True))
                     return None
                 self._waiting(self._too_few(fit, grace=False))
                 continue
-            if decided is not None and size < cap and self.state == "queued":
+            if decided is not None and size < cap and self.state == JobState.QUEUED:
                 # The scheduler counted workers that an ended or shrinking job is still
                 # handing back to Ray: a moment's wait starts this job at its planned size,
                 # rather than small and grown (a restart, in restart mode) seconds later.
                 short_since = time.monotonic() if short_since is None else short_since
                 if time.monotonic() - short_since < self.timing.release_wait_s:
                     continue
-            if self.state == "queued" and self.reservation is None:
+            if self.state == JobState.QUEUED and self.reservation is None:
                 # Two queued jobs may both see the same free slots: the reservation decides
                 # which one starts; the other stays queued and says why.
                 self.reservation = await self.capacity.reserve(
@@ -235,7 +235,7 @@ class JobLoop:
         supervisor goes on watching it, under its number, with no restart."""
         attempt = Attempt(running.number, running.world_size, None, self.clock())
         attempt.saw_step(self.plan.last_step, self.plan.last_step)
-        attempt.running = self.state == "running"
+        attempt.running = self.state == JobState.RUNNING
         self.attempt = attempt
         self.replicas = running.replicas
         self._emit(
@@ -306,10 +306,10 @@ class JobLoop:
             lost = await self._lost_nodes(attempt, outcome.dead_ranks)
         if cause == EndCause.FINISHED:
             await self._drop_reservation()
-            if self.state in ("starting", "recovering"):
+            if self.state in (JobState.STARTING, JobState.RECOVERING):
                 # A custom loop may finish without ever reporting a step: it did run.
-                self._set_state("running", world_size=attempt.world_size)
-            self._set_state("succeeded", step=attempt.reached_step)
+                self._set_state(JobState.RUNNING, world_size=attempt.world_size)
+            self._set_state(JobState.SUCCEEDED, step=attempt.reached_step)
             return None
         now = self.clock()
         if cause == EndCause.PAUSED:
@@ -344,7 +344,7 @@ class JobLoop:
         if let_go is not None:  # its warm workers' slots are what the other job waits for
             let_go()
         self.recovery = Recovery("preempt", attempt.world_size, step, now, now)
-        self._set_state("queued", reason=decided.reason, checkpoint_step=step)
+        self._set_state(JobState.QUEUED, reason=decided.reason, checkpoint_step=step)
         return self._schedule
 
     async def _failed(
@@ -380,16 +380,16 @@ class JobLoop:
         decision = self.restarts.decide(cause, attempt.saved_checkpoint)
         if not decision.retry:
             await self._drop_reservation()
-            self._set_state("failed", reason=f"{reason} ({decision.reason})")
+            self._set_state(JobState.FAILED, reason=f"{reason} ({decision.reason})")
             return None
-        if cause == EndCause.START_TIMEOUT and self.state == "starting":
+        if cause == EndCause.START_TIMEOUT and self.state == JobState.STARTING:
             # It never ran: it waits for capacity again, as a queued job, and says why.
             await self._drop_reservation()
             self.recovery = None
-            self._set_state("queued", reason=reason)
+            self._set_state(JobState.QUEUED, reason=reason)
             return self._schedule
-        if self.state != "recovering":
-            self._set_state("recovering", reason=reason, restarts=self.restarts.restarts)
+        if self.state != JobState.RECOVERING:
+            self._set_state(JobState.RECOVERING, reason=reason, restarts=self.restarts.restarts)
         await self._wait_for_release(attempt.world_size - len(lost))
         return self._schedule
 
@@ -465,7 +465,7 @@ class JobLoop:
             or decided.for_job is None  # a node lost or draining: that path handles it
             or attempt.shrink is not None
             or decided.size >= attempt.world_size
-            or self.state != "running"
+            or self.state != JobState.RUNNING
         ):
             return
         attempt.shrink = decided
@@ -498,7 +498,12 @@ class JobLoop:
             await self._tell_throughput()
             self._leave_draining_nodes(attempt, snap)
             decided = snap.target
-            if decided is None or not decided.fits or told is None or self.state != "running":
+            if (
+                decided is None
+                or not decided.fits
+                or told is None
+                or self.state != JobState.RUNNING
+            ):
                 continue  # (a cluster too small for its minimum is a loss, not an order)
             size = min(decided.size, self.plan.max_workers)
             if size < self.plan.min_workers:  # preempted: every replica leaves at a step
@@ -544,7 +549,7 @@ class JobLoop:
 
     async def _maybe_reserve_growth(self, attempt: Attempt, snap: Snapshot) -> None:
         if (
-            self.state != "running"
+            self.state != JobState.RUNNING
             or self.recovery is not None
             or attempt.grow_to is not None
             or attempt.world_size >= self.plan.max_workers
@@ -694,8 +699,8 @@ class JobLoop:
             current.saw_step(int(data.get("step", 0)), done)
             if not current.running:
                 current.running = True
-                if self.state in ("starting", "recovering"):
-                    self._set_state("running", world_size=data.get("world_size"))
+                if self.state in (JobState.STARTING, JobState.RECOVERING):
+                    self._set_state(JobState.RUNNING, world_size=data.get("world_size"))
                 if self.recovery is not None:
                     self._complete_recovery(current)
         elif what == EventKind.CHECKPOINT_SAVED:
@@ -706,13 +711,13 @@ class JobLoop:
         self._emit(what, data, origin, at)
 
     def cancel(self, reason: str) -> str:
-        if self.state in TERMINAL:
+        if self.state in TERMINAL_STATES:
             return self.state
         self.cancelled = True
         # The job ends here: warm workers go at once, not after a stop's grace.
         close = getattr(self.runner, "close", None)
         (close or self.runner.stop)()
-        self._set_state("cancelled", reason=reason)
+        self._set_state(JobState.CANCELLED, reason=reason)
         return self.state
 
     def status(self) -> dict[str, Any]:
@@ -735,8 +740,8 @@ class JobLoop:
             self.recovery.checkpoint_step = step
         number = self.attempt.number + 1 if self.attempt else self.plan.first_attempt
         self.attempt = Attempt(number, size, step, self.clock())
-        if self.state == "queued":
-            self._set_state("starting", world_size=size)
+        if self.state == JobState.QUEUED:
+            self._set_state(JobState.STARTING, world_size=size)
         self.waiting_for = None
         self._emit(
             EventKind.ATTEMPT_STARTED,
@@ -751,15 +756,15 @@ class JobLoop:
             EventKind.SUPERVISOR_RECREATED,
             {"previous_state": self.state, "checkpoint_step": step},
         )
-        if self.state not in ("running", "starting", "recovering"):
+        if self.state not in (JobState.RUNNING, JobState.STARTING, JobState.RECOVERING):
             return
         now = self.clock()
         self.recovery = Recovery(
             "failure", self.plan.last_world_size, self.plan.last_step, now, now
         )
-        if self.state != "recovering":
+        if self.state != JobState.RECOVERING:
             self._set_state(
-                "recovering",
+                JobState.RECOVERING,
                 reason="the job's supervisor was lost; a new one resumes it"
                 + (
                     f" from the checkpoint of step {step}"
@@ -781,7 +786,7 @@ class JobLoop:
         if info is None and skipped:
             steps = ", ".join(str(bad.step) for bad, _ in skipped)
             self._set_state(
-                "failed",
+                JobState.FAILED,
                 reason=f"no valid checkpoint is left (steps {steps} fail verification); "
                 "the job does not start over from step 0",
             )
@@ -888,11 +893,8 @@ class JobLoop:
             self._emit(EventKind.RESIZED, {"kind": "resized", **fields, **why})
         self.recovery = None
 
-    def _set_state(self, target: str, reason: str | None = None, **extra: Any) -> None:
-        allowed = self.plan.transitions.get(self.state)
-        if allowed is not None and target not in allowed:
-            raise RuntimeError(f"illegal transition {self.state} -> {target}")
-        previous, self.state = self.state, target
+    def _set_state(self, target: JobState, reason: str | None = None, **extra: Any) -> None:
+        previous, self.state = self.state, check_transition(self.state, target)
         self._emit(
             EventKind.STATE, {"state": target, "previous": previous, "reason": reason, **extra}
         )

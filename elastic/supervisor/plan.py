@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from elastic.job_state import JobState
 
 # A lost peer must surface as an error in seconds, not after torch's 30-minute default.
 COLLECTIVE_TIMEOUT_S = 30
@@ -25,9 +27,11 @@ class SupervisorPlan:
     min_workers_grace_s: float
     actor_name: str
     namespace: str
+    # "in_place": survivors train on through a node loss (elastic/in_place); "restart": a new
+    # worker group from the latest checkpoint. The job's spec decides it (JobSpec).
+    fault_tolerance: Literal["in_place", "restart"]
     collective_timeout_s: int = COLLECTIVE_TIMEOUT_S
-    transitions: dict[str, list[str]] = field(default_factory=dict)
-    initial_state: str = "queued"
+    initial_state: JobState = JobState.QUEUED
     # Set when the service re-creates the supervisor of a job whose supervisor died: what the
     # store knew of the job then.
     recreated: bool = False
@@ -40,9 +44,6 @@ class SupervisorPlan:
     # Attempts are numbered from here: a re-created supervisor starts above every number
     # its predecessor can have used, so that no two attempts of a job share one.
     first_attempt: int = 1
-    # "in_place": survivors train on through a node loss (elastic/in_place); "restart": a new
-    # worker group from the latest checkpoint.
-    fault_tolerance: str = "restart"
     # What the cluster's scheduler orders jobs by: whose job, how urgent, and since when.
     owner: str = ""
     priority: int = 50

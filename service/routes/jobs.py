@@ -10,8 +10,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
+from elastic.job_state import JobState
 from jobs.spec import JobSpec
-from jobs.state import JobState
 from service import streams
 from service.auth import BOOTSTRAP_TOKEN_ID, Caller
 from service.deps import (

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from jobs.state import JobState, check_transition
+from elastic.job_state import JobState, check_transition
 from service.store.models import CheckpointRow, EventRow, JobRow, MetricRow
 
 

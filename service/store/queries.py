@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from jobs.state import TERMINAL_STATES, JobState
+from elastic.job_state import TERMINAL_STATES, JobState
 from service.store.cursor import Page, decode_cursor, encode_cursor
 from service.store.database import make_engine, migrate
 from service.store.fold import fold

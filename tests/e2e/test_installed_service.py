@@ -32,10 +32,9 @@ from typing import Any
 import httpx
 import pytest
 
+from elastic.job_state import TERMINAL_STATES
 from tests.conftest import TOKEN, all_events, free_port, small_job, wait_for
 from tests.e2e.test_image_recipe import ROOT, copy_sources, stages
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
 def _stage(name: str) -> list[tuple[str, str]]:
@@ -286,7 +285,7 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
     try:
         deadline = time.monotonic() + 240
         seen: set[str] = set()
-        while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL:
+        while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL_STATES:
             # While the job trains, its workers are in the process tree too.
             seen |= _listening_addresses(proc.pid)
             assert time.monotonic() < deadline, job
@@ -294,7 +293,7 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
         assert job["state"] == "succeeded", job
         assert job["step"] == 50
     finally:
-        if api.get(f"/v1/jobs/{job_id}").json()["state"] not in TERMINAL:
+        if api.get(f"/v1/jobs/{job_id}").json()["state"] not in TERMINAL_STATES:
             api.post(f"/v1/jobs/{job_id}/cancel")
     seen |= _listening_addresses(proc.pid)
     assert seen, "found no listening sockets at all: the check would prove nothing"
@@ -341,7 +340,7 @@ def _kill_and_restart(service: Service) -> None:
 
 def _ended(api: httpx.Client, job_id: str) -> dict[str, Any]:
     job: dict[str, Any] = wait_for(
-        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL_STATES and j,
         timeout=300,
         interval=1,
         what="the job to end after the restart",

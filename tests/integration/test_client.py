@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from elastic.job_state import TERMINAL_STATES
 from elastic_train import (
     AsyncClient,
     Client,
@@ -29,7 +30,6 @@ from elastic_train import (
     Unauthorized,
 )
 from tests.conftest import (
-    TERMINAL,
     TOKEN,
     LiveServer,
     create_user_token,
@@ -64,11 +64,11 @@ def jobs_ended(server: LiveServer) -> Iterator[None]:
     finally:
         with server.client() as api:
             for job in api.get("/v1/jobs", params={"limit": 500}).json()["items"]:
-                if job["state"] not in TERMINAL:
+                if job["state"] not in TERMINAL_STATES:
                     api.post(f"/v1/jobs/{job['id']}/cancel")
             wait_for(
                 lambda: all(
-                    j["state"] in TERMINAL
+                    j["state"] in TERMINAL_STATES
                     for j in api.get("/v1/jobs", params={"limit": 500}).json()["items"]
                 ),
                 timeout=60,

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from elastic.job_state import TERMINAL_STATES
 from tests.conftest import (
     POOL_SIZE,
     ClusterPool,
@@ -31,7 +32,6 @@ from tests.conftest import (
 # A drain is timed here against Ray's deadline: the machine to itself (tests/conftest.py).
 pytestmark = pytest.mark.alone
 
-TERMINAL = {"succeeded", "failed", "cancelled"}
 # The drain's deadline: what a spot notice gives (2 min on AWS, 30 s on GCP) is beyond the
 # pause and restart here, so the job must be off the node well before it.
 DEADLINE_S = 120
@@ -47,7 +47,7 @@ def get(api: httpx.Client, job_id: str) -> dict[str, Any]:
     r = api.get(f"/v1/jobs/{job_id}")
     assert r.status_code == 200, r.text
     job: dict[str, Any] = r.json()
-    assert job["state"] not in TERMINAL, job  # only the test ends it
+    assert job["state"] not in TERMINAL_STATES, job  # only the test ends it
     return job
 
 

@@ -17,11 +17,11 @@ import pytest
 import ray
 import torch
 
+from elastic.job_state import TERMINAL_STATES
 from elastic.restart.runner import SETTLE_S
 from jobs import launcher
 from tests.conftest import (
     NAMESPACE,
-    TERMINAL,
     ClusterPool,
     LiveServer,
     all_events,
@@ -128,7 +128,7 @@ def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: 
 
     def check() -> dict | None:
         job = last["job"] = get(api, job_id)
-        assert job["state"] not in TERMINAL or test(job), job
+        assert job["state"] not in TERMINAL_STATES or test(job), job
         return job if test(job) else None
 
     try:

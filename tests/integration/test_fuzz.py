@@ -18,10 +18,11 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from elastic.cluster.scheduling import PRIORITY_CLASSES
+from elastic.job_state import TERMINAL_STATES
 from jobs.spec import ENTRYPOINT_PATTERN, JobSpec
 from jobs.workloads import WORKLOADS
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
-from tests.conftest import TERMINAL, TOKEN, LiveServer, make_settings, small_job
+from tests.conftest import TOKEN, LiveServer, make_settings, small_job
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -53,7 +54,7 @@ def test_no_request_breaks_the_api_or_its_schema(case: Any, fuzz_server: LiveSer
     if case.path == "/v1/jobs" and case.method == "POST" and response.status_code in (200, 201):
         with fuzz_server.client() as client:  # an accepted job must not train for long
             job = response.json()
-            if client.get(f"/v1/jobs/{job['id']}").json()["state"] not in TERMINAL:
+            if client.get(f"/v1/jobs/{job['id']}").json()["state"] not in TERMINAL_STATES:
                 client.post(f"/v1/jobs/{job['id']}/cancel")
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TERMINAL, all_events, free_port, small_job, wait_for
+from elastic.job_state import TERMINAL_STATES
+from tests.conftest import all_events, free_port, small_job, wait_for
 from tests.gcs import (
     NO_REDIS,
     end_sessions,
@@ -103,7 +104,7 @@ def test_a_job_survives_a_restart_of_the_heads_gcs(redis_head: Head, tmp_path: P
         )
         new_gcs = start_gcs()
         job = wait_for(
-            lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+            lambda: (j := api.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL_STATES and j,
             timeout=300,
             interval=1,
             what="the job to end after the GCS restart",

@@ -11,8 +11,9 @@ import pytest
 import torch
 from ray.util.state import list_actors
 
+from elastic.job_state import TERMINAL_STATES
 from jobs.workloads.image_classification import SmallCNN
-from tests.conftest import TERMINAL, LiveServer, make_settings, small_job, state_address, wait_for
+from tests.conftest import LiveServer, make_settings, small_job, state_address, wait_for
 
 
 def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -212,7 +213,7 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["state"] == "queued" and job["name"] == "demo"
 
-    done = wait_state(client, job["id"], TERMINAL, timeout=180)
+    done = wait_state(client, job["id"], TERMINAL_STATES, timeout=180)
     assert done["state"] == "succeeded", done
     assert done["step"] == 50 and done["total_steps"] == 50
     assert done["world_size"] == 0 and done["finished_at"] is not None
@@ -303,7 +304,7 @@ def test_a_restarted_service_finds_the_running_job(ray_cluster: Any, tmp_path: P
         client = second.client()
         seen = job_state(client, job["id"])
         assert seen["state"] in {"running", "succeeded"}
-        done = wait_state(client, job["id"], TERMINAL, timeout=180)
+        done = wait_state(client, job["id"], TERMINAL_STATES, timeout=180)
         assert done["state"] == "succeeded" and done["step"] == 400
         events = client.get(f"/v1/jobs/{job['id']}/events").json()["items"]
         assert [e["seq"] for e in events] == list(range(1, len(events) + 1))

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from elastic.job_state import TERMINAL_STATES
 from tests.conftest import (
-    TERMINAL,
     LiveServer,
     create_user_token,
     make_settings,
@@ -107,7 +107,7 @@ def test_a_running_job_and_the_requests_that_made_it_show_as_series(
             done = wait_until_ended(api, job["id"], 120)
         finally:
             gate.touch()
-            if api.get(f"/v1/jobs/{job['id']}").json()["state"] not in TERMINAL:
+            if api.get(f"/v1/jobs/{job['id']}").json()["state"] not in TERMINAL_STATES:
                 api.post(f"/v1/jobs/{job['id']}/cancel")
     assert done["state"] == "succeeded"
     # TensorBoard, read by its own reader, holds the curve the API serves, point for point.

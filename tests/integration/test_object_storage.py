@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from elastic.job_state import TERMINAL_STATES
 from tests.conftest import (
-    TERMINAL,
     ClusterPool,
     LiveServer,
     make_settings,
@@ -48,7 +48,7 @@ def test_a_job_checkpoints_to_the_bucket_loses_a_node_and_restores_from_it(
         job = api.post("/v1/jobs", json=spec).json()
         wait_for(
             lambda: (
-                (j := get(api, job["id"]))["state"] not in TERMINAL
+                (j := get(api, job["id"]))["state"] not in TERMINAL_STATES
                 and j["world_size"] == 3
                 and j["step"] >= 25
             ),

@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
+from elastic.job_state import TERMINAL_STATES
 from service.deps import services_of
 from tests.conftest import (
-    TERMINAL,
     LiveServer,
     create_user_token,
     make_settings,
@@ -62,7 +62,7 @@ def users(server: LiveServer) -> tuple[httpx.Client, httpx.Client, httpx.Client]
 
 def cancel_all(admin: httpx.Client) -> None:
     for job in admin.get("/v1/jobs", params={"limit": 500}).json()["items"]:
-        if job["state"] not in TERMINAL:
+        if job["state"] not in TERMINAL_STATES:
             admin.post(f"/v1/jobs/{job['id']}/cancel")
 
 

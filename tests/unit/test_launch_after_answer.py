@@ -9,7 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from jobs.state import JobState
+from elastic.job_state import JobState
 from service.control import JobControl
 from service.settings import Settings
 from service.store import Store

@@ -2,7 +2,13 @@ from itertools import product
 
 import pytest
 
-from jobs.state import TRANSITIONS, IllegalTransition, JobState, can_transition, check_transition
+from elastic.job_state import (
+    TRANSITIONS,
+    IllegalTransition,
+    JobState,
+    can_transition,
+    check_transition,
+)
 
 LEGAL = {
     ("queued", "starting"),

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from jobs.state import IllegalTransition, JobState
+from elastic.job_state import IllegalTransition, JobState
 from service.store import Store
 from tests.conftest import small_job
 

@@ -19,7 +19,6 @@ from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.loop import JobLoop, Timing
 from elastic.supervisor.plan import SupervisorPlan
 from elastic.supervisor.runner import AttemptSpec, RunningAttempt
-from jobs.state import TRANSITIONS
 from tests.clock import Clock
 
 FAST = Timing(
@@ -214,7 +213,7 @@ def make_plan(**overrides: Any) -> SupervisorPlan:
         "min_workers_grace_s": 0.2,
         "actor_name": "sup",
         "namespace": "ns",
-        "transitions": {s.value: [t.value for t in ts] for s, ts in TRANSITIONS.items()},
+        "fault_tolerance": "restart",
     }
     return SupervisorPlan(**(fields | overrides))
 

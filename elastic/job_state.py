@@ -1,4 +1,6 @@
-"""The job state machine: one table of legal transitions that everything else asks."""
+"""The job state machine: one table of legal transitions that everything else asks. It sits in
+the lowest layer because every layer needs it: the supervisor drives it, the service folds and
+checks it, the client and the dashboard show it."""
 
 from __future__ import annotations
 
