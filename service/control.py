@@ -16,6 +16,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from elastic.events import EventKind
 from elastic.job_state import JobState
 from jobs import cluster, isolation, launcher, memory, queue
 from jobs.spec import JobSpec
@@ -45,7 +46,7 @@ MAX_RECREATIONS = 3
 # How often finished jobs' old metrics and logs are deleted (ETRAIN_RETENTION_DAYS).
 PURGE_EVERY_S = 600.0
 # Job-level changes that the all-jobs stream carries (besides "created").
-ANNOUNCED = ("state", "resized")
+ANNOUNCED = (EventKind.STATE, EventKind.RESIZED)
 # How long the launcher waits for a new supervisor to answer before it starts the next one.
 LAUNCH_READY_TIMEOUT_S = 30.0
 # A key reserved this long without a job belongs to a submission that died with the
@@ -484,7 +485,7 @@ class JobControl:
             return
         event = {
             "seq": job.last_seq + 1,
-            "kind": "state",
+            "kind": EventKind.STATE,
             "time": time.time(),
             "data": {"state": state.value, "previous": job.state, "reason": reason},
         }

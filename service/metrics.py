@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from elastic.events import EventKind
 from elastic.job_state import TERMINAL_STATES, JobState
 from service.deps import BearerDep, ServicesDep, authenticate, unauthorized
 from service.problems import Problem
@@ -44,7 +45,7 @@ HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 RECOVERY_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 CHECKPOINT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 # Event kinds that end a recovery (their data carries recovery_seconds).
-RECOVERY_KINDS = ("restored", "resized")
+RECOVERY_KINDS = (EventKind.RESTORED, EventKind.RESIZED)
 _ACTIVE = tuple(s.value for s in JobState if s not in TERMINAL_STATES)
 # The `_created` timestamp series double what a scrape carries and no dashboard uses them.
 disable_created_metrics()
@@ -91,7 +92,7 @@ class ServiceMetrics:
                 seconds = data.get("recovery_seconds")
                 if isinstance(seconds, int | float):
                     self.recovery.labels(event["kind"]).observe(float(seconds))
-            elif event.get("kind") == "checkpoint_saved":
+            elif event.get("kind") == EventKind.CHECKPOINT_SAVED:
                 seconds = data.get("write_seconds")
                 if isinstance(seconds, int | float):
                     self.checkpoint_write.observe(float(seconds))

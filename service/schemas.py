@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from elastic.events import EventKind
 from elastic.job_state import JobState
 from jobs.spec import priority_value
 
@@ -39,7 +40,7 @@ def event_json(event: dict[str, Any]) -> dict[str, Any]:
     """An event (``{seq, kind, time, data}``, times in Unix seconds) as the API shows it,
     in pages and streams alike: its time, and a log event's line times, in ISO 8601."""
     out = {**event, "time": iso_time(event["time"])}
-    lines = event["data"].get("lines") if event["kind"] == "log" else None
+    lines = event["data"].get("lines") if event["kind"] == EventKind.LOG else None
     if isinstance(lines, list):
         out["data"] = {
             **event["data"],

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.parts import CheckpointState
+from elastic.events import EventKind
 from elastic.train.worker import WorkerContext
 
 STATE_FILE = "state.pt"
@@ -317,7 +318,7 @@ class CheckpointManager:
             torch.save(replicated, staged / STATE_FILE)
             info = self.dir.publish(step, staged)
         self.worker.emit(
-            "checkpoint_saved",
+            EventKind.CHECKPOINT_SAVED,
             {
                 "step": step,
                 "path": info.path,
@@ -334,11 +335,13 @@ class CheckpointManager:
         pruned = self.dir.prune(self.worker.keep, protect=step)
         for bad, why, _ in pruned.set_aside:
             self.worker.emit(
-                "checkpoint_corrupt", {"step": bad.step, "path": bad.path, "reason": why}
+                EventKind.CHECKPOINT_CORRUPT, {"step": bad.step, "path": bad.path, "reason": why}
             )
         # A checkpoint moved aside is gone from the job's list as a deleted one is.
         for removed in [*(bad for bad, _, _ in pruned.set_aside), *pruned.removed]:
-            self.worker.emit("checkpoint_removed", {"step": removed.step, "path": removed.path})
+            self.worker.emit(
+                EventKind.CHECKPOINT_REMOVED, {"step": removed.step, "path": removed.path}
+            )
 
 
 def _size(n: int) -> str:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from elastic.checkpoint.parts import RankRng, seed_rank
+from elastic.events import EventKind
 from elastic.in_place.abort import StepAbort
 from elastic.in_place.buckets import GradientBuckets
 from elastic.in_place.members import quorum_members
@@ -249,11 +250,11 @@ class InPlaceContext(TrainContext):
         and a join at the same size."""
         if change.kind != "drain":  # a drain is a resize, no loss
             self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
-        if change.kind == "worker_lost" and change.joined:
-            joined = dataclasses.replace(change, kind="joined")
-            self.worker.emit("joined", {"kind": "joined", **joined.fields()})
+        if change.kind == EventKind.WORKER_LOST and change.joined:
+            joined = dataclasses.replace(change, kind=EventKind.JOINED)
+            self.worker.emit(EventKind.JOINED, {"kind": EventKind.JOINED, **joined.fields()})
         if change.from_world != change.to_world:
-            self.worker.emit("resized", {"kind": "resized", **change.fields()})
+            self.worker.emit(EventKind.RESIZED, {"kind": EventKind.RESIZED, **change.fields()})
 
     def _leave(self) -> None:
         if self.save_on_leave and self.worker.rank == 0:
@@ -362,7 +363,7 @@ class InPlaceContext(TrainContext):
         assert self.scheduler is not None
         totals, global_batch = self._totals, self._step_global_batch
         self.worker.emit(
-            "metrics",
+            EventKind.METRICS,
             {
                 "step": self.step,
                 "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,

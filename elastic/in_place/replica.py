@@ -17,6 +17,7 @@ import ray
 
 from elastic.arrivals import Outbox
 from elastic.checkpoint.directory import CheckpointDir
+from elastic.events import EventKind
 from elastic.in_place.heartbeats import ExtraHeartbeats
 from elastic.in_place.members import QuorumMembers, replica_id
 from elastic.train.entrypoint import resolve
@@ -354,7 +355,7 @@ class Replica:
         outbox = Outbox(supervisor)
 
         def send(lines: list[list[Any]]) -> None:
-            outbox.record("log", {"attempt": meta.attempt, "rank": replica, "lines": lines})
+            outbox.record(EventKind.LOG, {"attempt": meta.attempt, "rank": replica, "lines": lines})
 
         def start_together() -> None:
             wait_for_starters(lighthouse, starting, START_TOGETHER_S)

@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from elastic.arrivals import Outbox
+from elastic.events import EventKind
 from elastic.train.entrypoint import last_line, resolve
 from elastic.train.group_sockets import GroupSockets
 from elastic.train.orphan import die_with_parent
@@ -157,7 +158,9 @@ class WarmWorker:
 
         def send(lines: list[list[Any]]) -> None:
             last_sent[:] = [
-                outbox.record("log", {"attempt": meta["attempt"], "rank": rank, "lines": lines})
+                outbox.record(
+                    EventKind.LOG, {"attempt": meta["attempt"], "rank": rank, "lines": lines}
+                )
             ]
 
         result: dict[str, Any] = {"error": None, "failed_at": None, "clean": True}

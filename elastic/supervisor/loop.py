@@ -369,7 +369,7 @@ class JobLoop:
             self._emit(
                 EventKind.WORKER_LOST,
                 {
-                    "kind": "worker_lost",
+                    "kind": EventKind.WORKER_LOST,
                     **self.recovery.fields(None, None),
                     "from_world": attempt.world_size,
                     "nodes": sorted(lost),
@@ -885,12 +885,12 @@ class JobLoop:
         assert r is not None
         fields = r.fields(attempt.world_size, self.clock())
         if r.kind not in ("grow", "drain", "shrink") and r.checkpoint_step is not None:
-            self._emit(EventKind.RESTORED, {"kind": "restored", **fields})
+            self._emit(EventKind.RESTORED, {"kind": EventKind.RESTORED, **fields})
         if r.from_world != attempt.world_size:
             why: dict[str, Any] = {"reason": "drain"} if r.kind == "drain" else {}
             if r.decision is not None:  # the scheduler's word: for whom, or into what
                 why = {"reason": r.decision.reason, "for_job": r.decision.for_job}
-            self._emit(EventKind.RESIZED, {"kind": "resized", **fields, **why})
+            self._emit(EventKind.RESIZED, {"kind": EventKind.RESIZED, **fields, **why})
         self.recovery = None
 
     def _set_state(self, target: JobState, reason: str | None = None, **extra: Any) -> None:

@@ -36,6 +36,7 @@ from elastic.checkpoint.parts import (
     Value,
 )
 from elastic.checkpoint.writer import CheckpointManager
+from elastic.events import EventKind
 from elastic.train.distributed import (
     DistributedOptions,
     LocalSGD,
@@ -616,7 +617,7 @@ class TrainContext:
             assert self.scheduler is not None
             global_batch = self._step_global_batch
             self.worker.emit(
-                "metrics",
+                EventKind.METRICS,
                 {
                     "step": self.step,
                     "epoch": self.position.epoch
@@ -681,7 +682,7 @@ def run_with_context(
             # This worker's first sign that the attempt failed (most often a collective
             # that lost a peer), stamped now: recovery is timed from the earliest one.
             ctx.worker.emit(
-                "failure_signal",
+                EventKind.FAILURE_SIGNAL,
                 {
                     "rank": ctx.rank,
                     "time": time.time(),

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from elastic.events import EventKind
 from elastic.train.tensorboard import SCALARS
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class MlflowLog:
         self._thread.start()
 
     def record(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "metrics":
+        if kind == EventKind.METRICS:
             step = int(data["step"])
             if step == data.get("total_steps"):
                 self._last_step_trained = True

@@ -28,6 +28,8 @@ import tempfile
 import threading
 from typing import Any
 
+from elastic.events import EventKind
+
 log = logging.getLogger(__name__)
 
 DIRNAME = "tensorboard"
@@ -95,19 +97,19 @@ class TensorBoardLog:
             with self._lock:
                 if self._closed:
                     return
-                if kind == "metrics":
+                if kind == EventKind.METRICS:
                     step = int(data["step"])
                     for field, tag in SCALARS.items():
                         value = data.get(field)
                         if isinstance(value, int | float) and math.isfinite(value):
                             self.writer.add_scalar(tag, float(value), step)
-                elif kind == "checkpoint_saved":
+                elif kind == EventKind.CHECKPOINT_SAVED:
                     self._text(int(data["step"]), f"checkpoint saved at step {data['step']}")
                     if self.upload_to is not None:  # the copy below takes what is on disk
                         self.writer.flush()
                 else:
                     return
-            if kind == "checkpoint_saved":
+            if kind == EventKind.CHECKPOINT_SAVED:
                 self._upload()
         except (OSError, KeyError, ValueError) as e:
             log.warning("TensorBoard log: %s", e)

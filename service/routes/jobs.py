@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 from fastapi.responses import StreamingResponse
 
+from elastic.events import EventKind
 from elastic.job_state import JobState
 from jobs.spec import JobSpec
 from service import streams
@@ -292,7 +293,7 @@ async def get_logs(
     store = services.store
     await asyncio.to_thread(_job, store, job_id, caller)
     if follow:
-        return _job_stream(request, services, caller, job_id, after, ("log",))
+        return _job_stream(request, services, caller, job_id, after, (EventKind.LOG,))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
     lines = [
         LogLine(

@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from elastic.events import EventKind
 from elastic.job_state import JobState, check_transition
 from service.store.models import CheckpointRow, EventRow, JobRow, MetricRow
 
@@ -24,7 +25,11 @@ def job_relative(path: str, job_id: str) -> str:
     return os.path.basename(path.rstrip("/"))
 
 
-PATH_EVENTS = ("checkpoint_saved", "checkpoint_removed", "checkpoint_corrupt")
+PATH_EVENTS = (
+    EventKind.CHECKPOINT_SAVED,
+    EventKind.CHECKPOINT_REMOVED,
+    EventKind.CHECKPOINT_CORRUPT,
+)
 
 
 def with_relative_paths(job_id: str, events: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -45,7 +50,7 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
     """What one event changes in the job's summary row and the checkpoint table."""
     data, kind = ev["data"], ev["kind"]
     when = datetime.fromtimestamp(ev["time"], UTC)
-    if kind == "state":
+    if kind == EventKind.STATE:
         target = check_transition(JobState(job.state), JobState(data["state"]))
         job.state = target.value
         if data.get("reason") or target.is_terminal:
@@ -61,9 +66,9 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
         if target.is_terminal:
             job.finished_at = when
             job.world_size = 0
-    elif kind == "attempt_started":
+    elif kind == EventKind.ATTEMPT_STARTED:
         job.world_size = int(data["world_size"])
-    elif kind == "metrics":
+    elif kind == EventKind.METRICS:
         s.add(
             MetricRow(
                 job_id=job.id,
@@ -82,14 +87,14 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
         job.samples_per_s = data.get("samples_per_s")
         job.total_steps = data.get("total_steps", job.total_steps)
         job.world_size = int(data.get("world_size") or job.world_size)
-    elif kind == "checkpoint_saved":
+    elif kind == EventKind.CHECKPOINT_SAVED:
         row = s.get(CheckpointRow, (job.id, int(data["step"])))
         if row is None:
             row = CheckpointRow(job_id=job.id, step=int(data["step"]))
             s.add(row)
         row.path, row.size_bytes = data["path"], int(data["size_bytes"])
         row.created_at, row.removed = float(data["created_at"]), False
-    elif kind == "checkpoint_removed":
+    elif kind == EventKind.CHECKPOINT_REMOVED:
         row = s.get(CheckpointRow, (job.id, int(data["step"])))
         if row is not None:
             row.removed = True

@@ -21,6 +21,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from elastic.events import EventKind
+
 
 class Base(DeclarativeBase):
     pass
@@ -127,7 +129,7 @@ class MetricRow(Base):
 # bounded however long the run.
 MAX_METRIC_POINTS = 100_000
 # What retention deletes from a finished job: the series and the log, not its history.
-PURGED_KINDS = ("metrics", "log")
+PURGED_KINDS = (EventKind.METRICS, EventKind.LOG)
 
 METRIC_COLUMNS = (
     "step",

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from elastic.events import EventKind
 from elastic.job_state import TERMINAL_STATES, JobState
 from service.store.cursor import Page, decode_cursor, encode_cursor
 from service.store.database import make_engine, migrate
@@ -102,7 +103,7 @@ class Store:
                 EventRow(
                     job_id=job.id,
                     seq=1,
-                    kind="state",
+                    kind=EventKind.STATE,
                     time=now.timestamp(),
                     data={"state": JobState.QUEUED.value, "previous": None, "reason": None},
                 )
