@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 import ray
@@ -315,6 +316,15 @@ class InPlaceRunner:
 
     def replica_trained(self, index: int) -> None:
         self.trained.add(index)
+
+    def warm_workers(self, exclude: Collection[str] = ()) -> int:
+        return 0  # replicas live as long as their attempt
+
+    def let_go(self) -> None:
+        """Nothing is held between attempts."""
+
+    def close(self) -> None:
+        self.stop()
 
     def leave(self, indices: set[int]) -> set[int]:
         """Replicas ``indices`` are on draining nodes: each leaves the quorum at its next step

@@ -176,6 +176,9 @@ class WarmPoolRunner:
     def leave(self, ranks: set[int]) -> set[int]:
         return set()  # a restart leaves a draining node by pausing at a checkpoint
 
+    def replica_trained(self, index: int) -> None:
+        """A worker of a restart is no joiner: there is nothing to mark."""
+
     def resize(self, size: int) -> set[int]:
         return set()  # a restart resizes by pausing at a step, then starting at the new size
 

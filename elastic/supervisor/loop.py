@@ -133,9 +133,7 @@ class JobLoop:
                 self._set_state(JobState.FAILED, reason=f"supervisor error: {e!r}")
         finally:
             await self._drop_reservation()
-            close = getattr(self.runner, "close", None)
-            if close is not None:  # warm workers outlive attempts, not the job
-                close()
+            self.runner.close()  # warm workers outlive attempts, not the job
             with contextlib.suppress(Exception):  # it also forgets a supervisor that died
                 await self.capacity.unregister()
 
@@ -340,9 +338,7 @@ class JobLoop:
             self.recovery = Recovery("shrink", attempt.world_size, step, now, now)
             self.recovery.decision = decided
             return self._schedule
-        let_go = getattr(self.runner, "let_go", None)
-        if let_go is not None:  # its warm workers' slots are what the other job waits for
-            let_go()
+        self.runner.let_go()  # its warm workers' slots are what the other job waits for
         self.recovery = Recovery("preempt", attempt.world_size, step, now, now)
         self._set_state(JobState.QUEUED, reason=decided.reason, checkpoint_step=step)
         return self._schedule
@@ -609,9 +605,8 @@ class JobLoop:
         if self._held is not None:
             self._held.append(functools.partial(self.replica_trained, attempt, replica))
             return
-        mark = getattr(self.runner, "replica_trained", None)
-        if mark is not None and self.attempt is not None and attempt == self.attempt.number:
-            mark(replica)
+        if self.attempt is not None and attempt == self.attempt.number:
+            self.runner.replica_trained(replica)
 
     def should_pause(self, attempt: int, step: int) -> bool:
         """Asked by rank 0 right after each checkpoint: stop here so the job can grow, or leave
@@ -715,8 +710,7 @@ class JobLoop:
             return self.state
         self.cancelled = True
         # The job ends here: warm workers go at once, not after a stop's grace.
-        close = getattr(self.runner, "close", None)
-        (close or self.runner.stop)()
+        self.runner.close()
         self._set_state(JobState.CANCELLED, reason=reason)
         return self.state
 
@@ -827,8 +821,7 @@ class JobLoop:
         return free + held + self._warm()
 
     def _warm(self) -> int:
-        count = getattr(self.runner, "warm_workers", None)
-        return int(count(self.suspects)) if count is not None else 0
+        return self.runner.warm_workers(self.suspects)
 
     async def _lost_nodes(self, attempt: Attempt, dead_ranks: list[int]) -> set[str]:
         """The attempt's nodes that are gone: by Ray's membership, by a worker process that

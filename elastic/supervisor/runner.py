@@ -73,15 +73,21 @@ class AttemptRunner(Protocol):
         it leave at a step; below it, joiners are placed). Returns those told to leave."""
         ...
 
-
-class WarmRunner(AttemptRunner, Protocol):
-    """A runner whose workers outlive an attempt (``elastic/restart/runner.py``): between
-    attempts they keep their slots, which the loop counts as the job's own."""
+    def replica_trained(self, index: int) -> None:
+        """In place only: replica ``index`` has committed a step (it is a survivor, no
+        longer a joiner healing from a peer)."""
+        ...
 
     def warm_workers(self, exclude: Collection[str] = ()) -> int:
-        """Workers held between attempts, leaving out those on ``exclude``."""
+        """Restart mode only: workers held between attempts (their slots are the job's own),
+        leaving out those on ``exclude``."""
+        ...
+
+    def let_go(self) -> None:
+        """Restart mode only: between attempts, the workers held go with their slots (the
+        scheduler gave them to another job)."""
         ...
 
     def close(self) -> None:
-        """The job ended: let every worker go."""
+        """The job ended, or is being cancelled: every worker goes, at once."""
         ...

@@ -136,6 +136,7 @@ class FakeRunner:
         # An attempt a lost supervisor left running, found on the cluster; and those adopted.
         self.left_running: RunningAttempt | None = None
         self.adopted: list[RunningAttempt] = []
+        self.trained: list[int] = []  # replicas the loop said have committed a step
 
     async def find_running(self) -> RunningAttempt | None:
         return self.left_running
@@ -174,6 +175,18 @@ class FakeRunner:
 
     def leave(self, ranks: set[int]) -> set[int]:
         return set()
+
+    def replica_trained(self, index: int) -> None:
+        self.trained.append(index)
+
+    def warm_workers(self, exclude: Collection[str] = ()) -> int:
+        return 0
+
+    def let_go(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.stop()
 
     def end(self, outcome: AttemptOutcome) -> None:
         if self.ending is not None and not self.ending.done():

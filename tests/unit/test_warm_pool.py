@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Collection
 
 import pytest
 
@@ -250,8 +251,8 @@ class WarmFakeRunner(FakeRunner):
         super().__init__(cluster)
         self.warm: list[str] = []
 
-    def warm_workers(self, exclude: object = ()) -> int:
-        return sum(1 for n in self.warm if n not in exclude)  # type: ignore[operator]
+    def warm_workers(self, exclude: Collection[str] = ()) -> int:
+        return sum(1 for n in self.warm if n not in exclude)
 
     def close(self) -> None:
         for node in self.warm:
