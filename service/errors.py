@@ -22,3 +22,22 @@ class IdempotencyKeyReused(ValueError):
 
 class SubmissionInProgress(RuntimeError):
     """A submission with this Idempotency-Key is still being processed."""
+
+
+class SpecRefused(ValueError):
+    """A job spec this service can never run, naming the field at fault. ``detail`` is the
+    longer account when the field's own message is terse; ``limit`` names the setting or
+    resource that refused it."""
+
+    def __init__(
+        self,
+        field: str,
+        message: str,
+        *,
+        title: str = "Invalid job spec",
+        detail: str | None = None,
+        limit: str | None = None,
+    ) -> None:
+        self.field, self.message, self.title, self.limit = field, message, title, limit
+        self.detail = detail or message
+        super().__init__(f"{field}: {self.detail}")

@@ -17,6 +17,7 @@ from service.errors import (
     IdempotencyKeyReused,
     JobAlreadyEnded,
     JobNotFound,
+    SpecRefused,
     SubmissionInProgress,
 )
 
@@ -138,6 +139,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(JobNotFound)
     async def _not_found(request: Request, exc: JobNotFound) -> JSONResponse:
         return problem_response(request, Problem(404, "Not found", str(exc)))
+
+    @app.exception_handler(SpecRefused)
+    async def _refused(request: Request, exc: SpecRefused) -> JSONResponse:
+        limit: dict[str, Any] = {} if exc.limit is None else {"limit": exc.limit}
+        errors = [{"field": exc.field, "message": exc.message}]
+        p = Problem(422, exc.title, f"{exc.field}: {exc.detail}", errors=errors, **limit)
+        return problem_response(request, p)
 
     @app.exception_handler(JobAlreadyEnded)
     async def _ended(request: Request, exc: JobAlreadyEnded) -> JSONResponse:
