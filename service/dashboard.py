@@ -2,12 +2,15 @@
 that npm installed under <dashboard dir>/node_modules. No token here: these are static files,
 and the data they show comes from the token-protected API.
 
-The dashboard dir is ``ETRAIN_DASHBOARD_DIR`` (the container image copies the app and its
-npm packages there) or, unset, ``dashboards/`` beside the source tree (a checkout)."""
+The dashboard dir is ``ETRAIN_DASHBOARD_DIR`` when set; otherwise the copy that an installed
+wheel carries inside this package (setup.py's build hook lays it out; the container image
+installs such a wheel), and without one, ``dashboards/`` beside the source tree (a checkout,
+whose editable install carries no copy)."""
 
 from __future__ import annotations
 
 import html
+import importlib.resources
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +19,11 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from service.dashboard_assets import PACKAGE_DIR, VENDOR_FILES, vendor_packages
+
 log = logging.getLogger(__name__)
 
 SOURCE_TREE_DIR = Path(__file__).resolve().parent.parent / "dashboards"
-# The files of each npm package that the app loads, under node_modules/<package>/dist.
-VENDOR_FILES = ("uplot/uPlot.esm.js", "uplot/uPlot.min.css")
 
 # The app loads only its own files and talks only to this service.
 HEADERS = {
@@ -45,7 +48,7 @@ class DashboardFiles:
 
     @property
     def packages(self) -> list[str]:
-        return sorted({name.split("/")[0] for name in VENDOR_FILES})
+        return vendor_packages()
 
     def missing(self) -> list[str]:
         """What the app needs and this directory lacks: its index page or a library file."""
@@ -57,8 +60,15 @@ class DashboardFiles:
         return needed
 
 
+def packaged_dir() -> Path | None:
+    """The dashboard inside the installed package: a wheel's, None in an editable install
+    (or a zipped one, whose files StaticFiles could not serve)."""
+    packaged = importlib.resources.files("service") / PACKAGE_DIR
+    return packaged if isinstance(packaged, Path) and packaged.is_dir() else None
+
+
 def files_for(directory: Path | None) -> DashboardFiles:
-    return DashboardFiles((directory or SOURCE_TREE_DIR).resolve())
+    return DashboardFiles((directory or packaged_dir() or SOURCE_TREE_DIR).resolve())
 
 
 def missing_dependencies(directory: Path | None = None) -> list[str]:
@@ -75,10 +85,11 @@ def _not_installed_page(files: DashboardFiles, missing: list[str]) -> HTMLRespon
         f"<p>Missing under <code>{html.escape(str(files.root))}</code>:</p>"
         f"<ul>{items}</ul>"
         "<p>In a checkout, run <code>npm ci</code> in <code>dashboards/</code> "
-        "(<code>make run</code> does it; it needs Node.js and npm). Elsewhere, set "
+        "(<code>make run</code> does it; it needs Node.js and npm). A wheel carries the "
+        "dashboard: install one built from the checkout or its sdist, or set "
         "<code>ETRAIN_DASHBOARD_DIR</code> to a directory holding the dashboard's "
         "<code>app/</code> and the <code>node_modules/</code> that <code>npm ci</code> "
-        "installs (the container image does). "
+        "installs. "
         "The API works without them: <a href='/docs'>/docs</a>.</p></body></html>"
     )
     return HTMLResponse(body, status_code=503, headers=HEADERS)

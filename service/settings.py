@@ -116,8 +116,9 @@ class Settings(BaseSettings):
     dashboard_dir: Path | None = Field(
         None,
         description="Directory holding the web dashboard: its app/ and the node_modules/ "
-        "that `npm ci` installs from dashboards/package-lock.json. Unset: dashboards/ "
-        "beside the source tree (a checkout after `make run`). The container image sets it.",
+        "that `npm ci` installs from dashboards/package-lock.json. Unset: the copy an "
+        "installed wheel carries (the container image's too), else dashboards/ beside the "
+        "source tree (a checkout after `make run`).",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="Log level of the service."

@@ -89,6 +89,7 @@ def test_every_copied_path_exists_in_the_build_context() -> None:
         "dashboards/app",
         "constraints.txt",
         "pyproject.toml",
+        "setup.py",
         "README.md",
         "service",
         "jobs",
@@ -177,5 +178,4 @@ def test_image_environment_names_real_settings() -> None:
         "host": "0.0.0.0",
         "port": "8000",
         "data_dir": "/var/lib/etrain",
-        "dashboard_dir": "/opt/etrain/dashboards",
     }

@@ -1,12 +1,13 @@
 """The service as the container image installs it and as `make run` starts it.
 
-The project is built from exactly the paths helm/Dockerfile copies into its build stage and
-installed (not editable) into a fresh virtual environment; the dashboard directory is laid
-out the way the Dockerfile's node stage makes it (its `npm ci` run for real) and handed to
-the service with the ETRAIN_DASHBOARD_DIR the image sets. `etrain serve` then starts on the
-embedded default (no ETRAIN_RAY_ADDRESS: a local Ray instance and SQLite), from a directory
-that holds no source, and must serve the dashboard, run the README's job to `succeeded`, and
-keep every socket of its process tree, Ray's included, on loopback.
+The project is built from exactly the paths helm/Dockerfile copies into its build stage,
+the dashboard directory among them laid out the way the Dockerfile's node stage makes it
+(its `npm ci` run for real), and installed (not editable) into a fresh virtual environment:
+the wheel's build hook (setup.py) puts the dashboard into the package, as in the image, which
+sets no ETRAIN_DASHBOARD_DIR. `etrain serve` then starts on the embedded default (no
+ETRAIN_RAY_ADDRESS: a local Ray instance and SQLite), from a directory that holds no source,
+and must serve the dashboard from the installed package, run the README's job to
+`succeeded`, and keep every socket of its process tree, Ray's included, on loopback.
 
 The fresh environment gets its third-party packages (torch, Ray, ...) from this test run's
 own environment through a path file, so nothing is downloaded; the project itself is the
@@ -135,15 +136,23 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     context.mkdir()
     build = _stage("build")
     for word, rest in build:
-        if word == "COPY":
-            for source in copy_sources(rest) or []:
-                src = ROOT / source
-                if src.is_dir():
-                    shutil.copytree(
-                        src, context / source, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
-                    )
-                else:
-                    shutil.copy2(src, context / source)
+        if word != "COPY":
+            continue
+        sources = copy_sources(rest)
+        if sources is None:
+            # The node stage's directory, made as that stage makes it.
+            assert shlex.split(rest) == ["--from=dashboard", "/dashboards", "./dashboards"], rest
+            (context / "dashboards").mkdir()
+            _lay_out(_stage("dashboard"), ROOT, context / "dashboards")
+            continue
+        for source in sources:
+            src = ROOT / source
+            if src.is_dir():
+                shutil.copytree(
+                    src, context / source, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                )
+            else:
+                shutil.copy2(src, context / source)
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = next((venv / "lib").glob("python3*/site-packages"))
@@ -176,13 +185,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         text=True,
     ).stdout.strip()
     assert where.startswith(str(site)), f"service imported from {where}, not the install"
-    # The dashboard stage, then where the final stage copies it.
-    stage_dir = base / "dashboard-stage"
-    stage_dir.mkdir()
-    _lay_out(_stage("dashboard"), ROOT, stage_dir)
-    dashboard_dir = base / "opt-etrain-dashboards"
-    shutil.copytree(stage_dir, dashboard_dir)
-    (base / "dashboard-dir").write_text(str(dashboard_dir))
     return base
 
 
@@ -202,7 +204,6 @@ class Service:
                 "ETRAIN_PORT": str(self.port),
                 "ETRAIN_DATA_DIR": str(data),
                 "ETRAIN_API_TOKEN": TOKEN,
-                "ETRAIN_DASHBOARD_DIR": (installed / "dashboard-dir").read_text(),
                 "ETRAIN_RAY_NUM_CPUS": "2",
                 "ETRAIN_RAY_DASHBOARD_PORT": str(free_port()),
                 "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
@@ -248,7 +249,8 @@ class Service:
 
 @pytest.fixture(scope="module")
 def service(installed: Path) -> Iterator[Service]:
-    assert _image_env()["ETRAIN_DASHBOARD_DIR"] == "/opt/etrain/dashboards"
+    # The image's service finds the dashboard in its package, as this one must.
+    assert "ETRAIN_DASHBOARD_DIR" not in _image_env()
     served = Service(installed)
     try:
         served.start()
@@ -262,6 +264,9 @@ def test_the_installed_service_serves_the_dashboard(service: Service) -> None:
     page = httpx.get(f"{url}/")
     assert page.status_code == 200, page.text[:500]
     assert '<script type="module" src="ui/js/main.js">' in page.text
+    site = next((service.installed / "venv" / "lib").glob("python3*/site-packages"))
+    packaged = site / "service" / "dashboard_files" / "app" / "index.html"
+    assert page.text == packaged.read_text()
     assert httpx.get(f"{url}/ui/js/main.js").status_code == 200
     library = httpx.get(f"{url}/ui/vendor/uplot/uPlot.esm.js")
     assert library.status_code == 200 and "export" in library.text

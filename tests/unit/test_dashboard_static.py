@@ -73,21 +73,44 @@ def test_without_npm_ci_the_page_says_what_to_run(tmp_path: Path) -> None:
     assert client.get("/healthz").status_code == 200
 
 
-def test_a_configured_dashboard_dir_is_served(tmp_path: Path) -> None:
-    """ETRAIN_DASHBOARD_DIR (the image's layout): the app and its library come from there,
-    not from the source tree."""
+def _copy_of_the_dashboard(root: Path, mark: str) -> Path:
+    """The checkout's dashboard laid out under ``root``, its page's title marked."""
     import shutil
 
-    root = tmp_path / "dash"
     shutil.copytree(dashboard.SOURCE_TREE_DIR / "app", root / "app")
     shutil.copytree(
         dashboard.SOURCE_TREE_DIR / "node_modules" / "uplot" / "dist",
         root / "node_modules" / "uplot" / "dist",
     )
     (root / "app" / "index.html").write_text(
-        (root / "app" / "index.html").read_text().replace("<title>", "<title>copied ")
+        (root / "app" / "index.html").read_text().replace("<title>", f"<title>{mark} ")
     )
+    return root
+
+
+def test_a_configured_dashboard_dir_is_served(tmp_path: Path) -> None:
+    """ETRAIN_DASHBOARD_DIR: the app and its library come from there, not from the source
+    tree."""
+    root = _copy_of_the_dashboard(tmp_path / "dash", "copied")
     client = TestClient(create_app(make_settings(tmp_path / "data", dashboard_dir=root)))
     page = client.get("/")
     assert page.status_code == 200 and "<title>copied " in page.text
     assert client.get("/ui/vendor/uplot/uPlot.min.css").status_code == 200
+
+
+def test_a_wheels_own_copy_comes_before_the_source_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed wheel (the image's too) carries the dashboard in the package, laid out
+    by setup.py's build hook: served when ETRAIN_DASHBOARD_DIR is unset, which still wins
+    over it. The checkout's editable install carries none: the hook writes only into the
+    build directory."""
+    assert dashboard.packaged_dir() is None
+    packaged = _copy_of_the_dashboard(tmp_path / "packaged", "packaged")
+    monkeypatch.setattr(dashboard, "packaged_dir", lambda: packaged)
+    page = TestClient(create_app(make_settings(tmp_path / "one"))).get("/")
+    assert page.status_code == 200 and "<title>packaged " in page.text
+    configured = _copy_of_the_dashboard(tmp_path / "configured", "configured")
+    settings = make_settings(tmp_path / "two", dashboard_dir=configured)
+    page = TestClient(create_app(settings)).get("/")
+    assert page.status_code == 200 and "<title>configured " in page.text
