@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import importlib.resources
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from elastic.job_state import TERMINAL_STATES, JobState
 from service.dashboard_assets import PACKAGE_DIR, VENDOR_FILES, vendor_packages
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,18 @@ def missing_dependencies(directory: Path | None = None) -> list[str]:
     return files_for(directory).missing()
 
 
+def states_module() -> str:
+    """The job states for the dashboard's scripts, from the state machine itself, so that the
+    browser never holds a copy of them that could drift."""
+    states = [s.value for s in JobState]
+    terminal = [s for s in states if JobState(s) in TERMINAL_STATES]
+    return (
+        "// The job states, served from elastic/job_state.py.\n"
+        f"export const STATES = {json.dumps(states)};\n"
+        f"export const TERMINAL = new Set({json.dumps(terminal)});\n"
+    )
+
+
 def _not_installed_page(files: DashboardFiles, missing: list[str]) -> HTMLResponse:
     items = "".join(f"<li><code>{html.escape(m)}</code></li>" for m in missing)
     body = (
@@ -122,6 +136,14 @@ def install(app: FastAPI, directory: Path | None = None) -> None:
             files.app / "favicon.svg",
             media_type="image/svg+xml",
             headers={**HEADERS, "Cache-Control": "max-age=86400"},
+        )
+
+    @app.get("/ui/js/states.js", include_in_schema=False)
+    def states() -> Response:
+        return Response(
+            states_module(),
+            media_type="text/javascript",
+            headers={**HEADERS, "Cache-Control": "no-cache"},
         )
 
     # Mounts stay out of the OpenAPI schema. The vendor mounts come first: /ui would

@@ -4,11 +4,14 @@ the app's lifespan (which connects to Ray) is not entered."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from elastic.job_state import TERMINAL_STATES, JobState
 from service import dashboard
 from service.app import create_app
 from tests.conftest import make_settings
@@ -33,6 +36,33 @@ def test_the_app_and_its_library_are_served_without_a_token(client: TestClient) 
     assert library.status_code == 200 and "export" in library.text
     assert client.get("/ui/vendor/uplot/package.json").status_code == 404  # dist/ only
     assert client.get("/ui/nope.js").status_code == 404
+
+
+def test_the_dashboard_s_job_states_are_the_state_machine_s(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """The browser's module of states is generated from elastic/job_state.py: run by Node,
+    it holds every state in order and exactly the terminal ones."""
+    served = client.get("/ui/js/states.js")
+    assert served.status_code == 200
+    assert "javascript" in served.headers["content-type"]
+    module = tmp_path / "states.mjs"
+    module.write_text(served.text)
+    script = (
+        f"import {{ STATES, TERMINAL }} from {json.dumps(module.as_uri())};"
+        "console.log(JSON.stringify([STATES, [...TERMINAL]]));"
+    )
+    out = subprocess.run(
+        ["node", "--input-type=module", "-e", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    states, terminal = json.loads(out)
+    assert states == [s.value for s in JobState]
+    assert set(terminal) == {s.value for s in TERMINAL_STATES}
+    assert 'export { STATES, TERMINAL } from "./states.js";' in client.get("/ui/js/format.js").text
 
 
 def test_the_icon_is_served_where_browsers_ask_for_it(client: TestClient) -> None:

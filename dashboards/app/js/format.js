@@ -1,8 +1,7 @@
 // How numbers, times and states are written on every page.
 
-export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
-export const STATES = ["queued", "starting", "running", "recovering", "succeeded", "failed",
-  "cancelled"];
+// The service generates states.js from its state machine.
+export { STATES, TERMINAL } from "./states.js";
 
 export function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
