@@ -6,7 +6,7 @@ It counts what cannot be avoided: parameters, their gradients and the optimizer'
 (sharded across the most workers under FSDP), the activations that the backward pass keeps
 for one micro-batch, the inputs of one step's share, and the data set held in memory. The
 per-pixel activation counts are those of each model's forward pass at 224 px (the outputs of
-its leaf modules; ``tests/unit/test_limits_units.py`` measures them again). It is a floor,
+its leaf modules; ``tests/unit/jobs/test_limits_units.py`` measures them again). It is a floor,
 not a prediction: a job under it may still not fit, one over it certainly does not.
 """
 

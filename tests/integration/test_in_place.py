@@ -252,7 +252,7 @@ def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
     """Two nodes of one rack fail 0.3 s apart: the last replica trains on within the bound,
     in the same attempt, and ends on the uninterrupted run's model. Whether the second
     replica is inside the survivor's next quorum when it dies depends on tens of
-    milliseconds: tests/unit/test_in_place_rendezvous.py proves that case every time."""
+    milliseconds: tests/unit/elastic/in_place/test_rendezvous.py proves that case every time."""
     root = tmp_path / "checkpoints"
     job = start_at_three_replicas(api, root)
     first_killed = pool.kill_nodes_apart([pool.pool[0], pool.pool[1]], 0.3)

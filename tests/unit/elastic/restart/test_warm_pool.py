@@ -25,7 +25,7 @@ from elastic.restart.worker import WarmWorker
 from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.loop import Timing
 from elastic.supervisor.runner import AttemptSpec
-from tests.unit.test_supervisor_loop import FakeCluster, FakeRunner, Harness, run
+from tests.unit.elastic.supervisor.test_loop import FakeCluster, FakeRunner, Harness, run
 
 
 def member(node: str | None) -> Member:

@@ -39,7 +39,7 @@ def _gone(pid: int) -> bool:
 def _start(tmp_path: Path, child: str) -> tuple[subprocess.Popen[str], int, str]:
     """(the parent, its child's pid, what the child said of its watch)"""
     out = tmp_path / "child.out"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[4])}
     with out.open("w") as child_out:
         parent = subprocess.Popen(
             [sys.executable, "-c", PARENT, child],
