@@ -32,6 +32,7 @@ from elastic.supervisor.policy import (
     RestartPolicy,
     below_min_for_too_long,
     choose_world_size,
+    decide_end,
     grow_target,
 )
 from elastic.supervisor.runner import AttemptRunner, AttemptSpec, RunningAttempt
@@ -273,35 +274,28 @@ class JobLoop:
             return None
         # What the attempt's workers said is all weighed before deciding what its end means.
         self._deliver(self.arrivals.release_all())
-        cause = attempt.stop_cause
-        lost: set[str] = set()
-        if (
-            attempt.shrink is not None
-            and outcome.error is None
-            and attempt.paused_at is None
-            and cause is None
-        ):  # in place, preempted: every replica left at a step, with a checkpoint of it
-            attempt.paused_at = attempt.checkpoint_step or 0
-        if cause is None:
-            if outcome.error is None:
-                cause = EndCause.PAUSED if attempt.paused_at is not None else EndCause.FINISHED
-            else:
-                lost = await self._lost_nodes(attempt, outcome.dead_ranks)
-                if lost and attempt.paused_at is not None and lost <= self._drained(attempt):
-                    # A drained node goes once it is idle: its workers had paused, and
-                    # their group failed only as it ended. The checkpoint they paused at
-                    # is verified like any other before the next attempt starts from it.
-                    log.info(
-                        "job %s: its worker group failed as it left drained nodes, "
-                        "after its pause at step %s",
-                        self.plan.job_id,
-                        attempt.paused_at,
-                    )
-                    cause, lost = EndCause.PAUSED, set()
-                else:
-                    cause = EndCause.NODE_LOST if lost else EndCause.ERROR
-        elif cause == EndCause.NODE_LOST:
-            lost = await self._lost_nodes(attempt, outcome.dead_ranks)
+        stopped_as = attempt.stop_cause
+        found: set[str] = set()
+        if stopped_as == EndCause.NODE_LOST or (stopped_as is None and outcome.error is not None):
+            found = await self._lost_nodes(attempt, outcome.dead_ranks)
+        end = decide_end(
+            stopped_as,
+            outcome.error,
+            attempt.paused_at,
+            attempt.checkpoint_step,
+            attempt.shrink is not None,
+            found,
+            self._drained(attempt),
+        )
+        attempt.paused_at = end.paused_at
+        if end.left_drained:  # the checkpoint it paused at is verified like any other
+            log.info(
+                "job %s: its worker group failed as it left drained nodes, "
+                "after its pause at step %s",
+                self.plan.job_id,
+                attempt.paused_at,
+            )
+        cause, lost = end.cause, set(end.lost)
         if cause == EndCause.FINISHED:
             await self._drop_reservation()
             if self.state in (JobState.STARTING, JobState.RECOVERING):

@@ -1,9 +1,11 @@
 """The supervisor's policies, pure functions of the facts: how many workers a job gets
-(sizing), when it is worth growing, and whether to restart after an attempt ends."""
+(sizing), when it is worth growing, what an attempt's end means, and whether to restart
+after it."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from elastic.supervisor.attempt import EndCause
@@ -25,6 +27,48 @@ def grow_target(world_size: int, max_workers: int, free_fit: int) -> int | None:
 
 def below_min_for_too_long(waited_s: float, grace_s: float) -> bool:
     return waited_s > grace_s
+
+
+# -- what an attempt's end means -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EndDecision:
+    """Why an attempt ended, which of its nodes are gone, and the step it paused at (the
+    next attempt resumes from that step's checkpoint)."""
+
+    cause: EndCause
+    lost: frozenset[str] = frozenset()
+    paused_at: int | None = None
+    # Its workers paused to leave drained nodes, and their group failed only as those nodes
+    # went (Ray ends a drained node once it is idle): a pause, not a loss.
+    left_drained: bool = False
+
+
+def decide_end(
+    stopped_as: EndCause | None,
+    error: str | None,
+    paused_at: int | None,
+    checkpoint_step: int | None,
+    shrinking: bool,
+    lost: Collection[str],
+    drained: Collection[str],
+) -> EndDecision:
+    """``stopped_as``: why the supervisor stopped the attempt, if it did; ``error``: what
+    its workers reported, if anything failed; ``shrinking``: the scheduler shrank it (in
+    place, its replicas leave at a step with a checkpoint of it); ``lost``: its nodes found
+    gone; ``drained``: its nodes a drain notice was for."""
+    if shrinking and error is None and paused_at is None and stopped_as is None:
+        paused_at = checkpoint_step or 0  # in place, preempted: every replica left at a step
+    if stopped_as is not None:
+        gone = frozenset(lost) if stopped_as == EndCause.NODE_LOST else frozenset()
+        return EndDecision(stopped_as, gone, paused_at)
+    if error is None:
+        cause = EndCause.PAUSED if paused_at is not None else EndCause.FINISHED
+        return EndDecision(cause, frozenset(), paused_at)
+    if lost and paused_at is not None and set(lost) <= set(drained):
+        return EndDecision(EndCause.PAUSED, frozenset(), paused_at, left_drained=True)
+    return EndDecision(EndCause.NODE_LOST if lost else EndCause.ERROR, frozenset(lost), paused_at)
 
 
 # -- restart or give up ------------------------------------------------------------------
