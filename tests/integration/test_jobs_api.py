@@ -77,7 +77,7 @@ def test_health_is_open_and_everything_else_needs_the_token(server: LiveServer) 
     # Outside /v1 only the Prometheus scrape needs a token (an admin's or the scrape token).
     assert {p for _, p in routes if not p.startswith("/v1/")} == {"/metrics"}
     # Every route the app has, in the schema or not: the open ones are exactly the guide's.
-    readme = " ".join((Path(__file__).parents[2] / "docs" / "guide.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[2] / "docs" / "api.md").read_text().split())
     # (The /v1 routers' routes sit inside included-router entries, which have no path.)
     paths = {getattr(r, "path", None) for r in server.app.routes} - {None}
     open_paths = {p for p in paths if not str(p).startswith("/v1/")} - {"/metrics"}
