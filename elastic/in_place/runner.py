@@ -28,7 +28,7 @@ from elastic.in_place.members import replica_id
 from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 from elastic.in_place.watchdog import POLL_S, LighthouseStatus, LossDetector
 from elastic.supervisor.attempt import AttemptOutcome
-from elastic.supervisor.runner import AttemptSpec, RunningAttempt
+from elastic.supervisor.runner import AttemptSpec, RunningAttempt, placement
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,11 @@ class InPlaceRunner:
 
     def _place(self, index: int, config: dict[str, Any], lighthouse: str, joiner: bool) -> Any:
         """Place replica ``index``; returns the call that says how its run ended."""
-        resources = dict(self.plan["resources_per_worker"])
         actor = Replica.options(  # type: ignore[attr-defined]
             name=f"{_attempt_prefix(self.name, self.attempt)}{index}",
             namespace=self.namespace,
             lifetime="detached",
-            num_cpus=resources.pop("CPU", 1),
-            num_gpus=resources.pop("GPU", 0),
-            resources=resources or None,
+            **placement(self.plan["resources_per_worker"]),
             runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
         ).remote()
         self.actors[index] = actor

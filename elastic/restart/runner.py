@@ -39,7 +39,7 @@ import ray
 
 from elastic.restart.worker import WarmWorker
 from elastic.supervisor.attempt import AttemptOutcome
-from elastic.supervisor.runner import AttemptSpec, RunningAttempt
+from elastic.supervisor.runner import AttemptSpec, RunningAttempt, placement
 from elastic.train.entrypoint import last_line
 from elastic.train.worker_logs import FLUSH_S
 
@@ -222,12 +222,8 @@ class WarmPoolRunner:
     # -- the pool ----------------------------------------------------------------------------
 
     def _place(self) -> Member:
-        resources = dict(self.plan["resources_per_worker"])
-        actor = WarmWorker.options(  # type: ignore[attr-defined]
-            num_cpus=resources.pop("CPU", 1),
-            num_gpus=resources.pop("GPU", 0),
-            resources=resources or None,
-        ).remote()
+        options = placement(self.plan["resources_per_worker"])
+        actor = WarmWorker.options(**options).remote()  # type: ignore[attr-defined]
         return Member(actor, actor.warm.remote(self.plan["train_loop"]))
 
     def _kill(self, member: Member) -> None:

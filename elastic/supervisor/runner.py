@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from elastic.supervisor.attempt import AttemptOutcome
 
@@ -91,3 +91,14 @@ class AttemptRunner(Protocol):
     def close(self) -> None:
         """The job ended, or is being cancelled: every worker goes, at once."""
         ...
+
+
+def placement(resources_per_worker: dict[str, float]) -> dict[str, Any]:
+    """The Ray actor options that give a worker of either mode its ``resources_per_worker``
+    (Ray takes CPUs and GPUs apart from custom resources)."""
+    resources = dict(resources_per_worker)
+    return {
+        "num_cpus": resources.pop("CPU", 1),
+        "num_gpus": resources.pop("GPU", 0),
+        "resources": resources or None,
+    }
