@@ -88,9 +88,9 @@ class LighthouseStatus:
 # How long a replica may be silent when no other replica that has trained is heard. The
 # fast drop (the lighthouse's heartbeat timeout) is there to free survivors from a
 # collective with a lost peer; with no trained survivor heard, it frees nobody, and a
-# silence of the whole job is more likely the machine than the job: on a loaded 2-core
-# machine a lone replica's fast drop was a false alarm that cost a restart (seen in a
-# parallel test run, 2026-11-25). A truly frozen lone replica is fenced after this.
+# silence of the whole job is more likely the machine than the job: on a loaded machine a
+# lone replica's fast drop is a false alarm that costs a restart. A truly frozen lone
+# replica is fenced after this.
 ALONE_TIMEOUT_S = 5.0
 
 
