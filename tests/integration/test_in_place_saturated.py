@@ -2,7 +2,7 @@
 healthy in-place job keeps all its replicas (no loss, no resize, no restart).
 
 The suite runs it for SATURATED_S seconds (30 by default); the issue's 10-minute run is the
-same test with ``ETRAIN_TEST_SATURATED_S=600`` (its result is in docs/benchmarks.md)."""
+same test with ``ETRAIN_TEST_SATURATED_S=600`` (its result is in docs/recovery.md)."""
 
 from __future__ import annotations
 
