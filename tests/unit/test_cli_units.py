@@ -48,6 +48,27 @@ def test_job_files_are_yaml_or_json(tmp_path: Path) -> None:
         jobfile.load(str(tmp_path / "missing.yaml"))
 
 
+def test_a_yaml_error_says_where_it_is(tmp_path: Path) -> None:
+    """PyYAML's first line ("while scanning a simple key") names neither the problem nor its
+    place: the message carries both, lines and columns counted from 1 as editors do."""
+    (tmp_path / "job.yaml").write_text(
+        "name: demo\nworkload: image-classification\nscaling\n  min_workers: 1\n"
+    )
+    with pytest.raises(jobfile.JobFileError) as e:
+        jobfile.load(str(tmp_path / "job.yaml"))
+    assert str(e.value) == (
+        f"{tmp_path / 'job.yaml'}: not valid YAML: line 4, column 14: could not find "
+        "expected ':' (while scanning a simple key at line 3, column 1)"
+    )
+    (tmp_path / "unclosed.yaml").write_text("name: demo\nscaling: {min_workers: 1\n")
+    with pytest.raises(jobfile.JobFileError) as e:
+        jobfile.load(str(tmp_path / "unclosed.yaml"))
+    assert str(e.value) == (
+        f"{tmp_path / 'unclosed.yaml'}: not valid YAML: line 3, column 1: expected ',' or '}}', "
+        "but got '<stream end>' (while parsing a flow mapping at line 2, column 10)"
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "keys", "value"),
     [
@@ -85,7 +106,11 @@ def test_set_creates_mappings_and_leaves_the_file_alone() -> None:
         ("hyperparameters..lr=1", r"expected a dotted path"),
         ("=1", r"expected a dotted path"),
         ("name.first=x", r"^name: is 'a', not a mapping; cannot set name.first$"),
-        ("name=[1", r"^name: the value '\[1' is not valid YAML"),
+        (
+            "name=[1",
+            r"^name: the value '\[1' is not valid YAML: line 1, column 3: expected ',' or "
+            r"'\]', but got '<stream end>' \(while parsing a flow sequence at line 1, column 1\)$",
+        ),
     ],
 )
 def test_a_bad_set_names_what_is_wrong(override: str, message: str) -> None:
