@@ -434,16 +434,10 @@ def test_a_command_loads_no_service_ray_or_torch(tmp_path: Path) -> None:
     assert done.stderr == "error: could not reach http://127.0.0.1:9: connection refused\n"
 
 
-def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metrics() -> None:
-    import io
-
-    from rich.console import Console
-
-    from elastic_train.progress import FollowView
-
-    out = io.StringIO()
+def new_job() -> models.JobInfo:
+    """A job as `etrain submit --follow` finds it: just submitted, queued, no step yet."""
     now = datetime.now(UTC)
-    job = models.JobInfo.model_validate(
+    return models.JobInfo.model_validate(
         {
             **dict.fromkeys(["message", "total_steps", "last_loss", "samples_per_s"]),
             **dict.fromkeys(["started_at", "finished_at"]),
@@ -460,7 +454,17 @@ def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metri
             "updated_at": now,
         }
     )
-    with FollowView(Console(file=out, width=40), job) as view:
+
+
+def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metrics() -> None:
+    import io
+
+    from rich.console import Console
+
+    from elastic_train.progress import FollowView
+
+    out = io.StringIO()
+    with FollowView(Console(file=out, width=40), new_job()) as view:
         assert not view.live
         view.show(models.Event(seq=1, kind="state", time=0.0, data={"state": "running"}))
         for step in range(1, 51):
@@ -486,3 +490,42 @@ def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metri
         50,
     ]
     assert lines[-1] == f"state failed: {reason}"  # no markup, not wrapped at 40 columns
+
+
+def test_before_its_first_step_the_bar_says_what_the_job_waits_for() -> None:
+    """Not `step 0/?`: a queued or starting job has no step, total, loss or speed yet."""
+    import io
+
+    from rich.console import Console
+
+    from elastic_train.progress import FollowView
+
+    def bar(view: FollowView) -> str:
+        """The bar as the terminal shows it now, without its bar graphic."""
+        assert view.progress is not None
+        shown = io.StringIO()
+        Console(file=shown, width=120, color_system=None).print(view.progress.get_renderable())
+        state, _, rest = shown.getvalue().rstrip().partition(" ")
+        return f"{state} | {rest.lstrip().lstrip('━╸╺ ')}"
+
+    def event(seq: int, kind: str, **data: Any) -> models.Event:
+        return models.Event(seq=seq, kind=kind, time=0.0, data=data)
+
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with FollowView(terminal, new_job()) as view:
+        assert view.live
+        frames = [bar(view)]
+        view.show(event(2, "state", state="starting", world_size=2))
+        frames.append(bar(view))
+        view.show(event(3, "state", state="running", world_size=2))
+        metrics = {"total_steps": 50, "loss": 2.5, "samples_per_s": 900.0, "world_size": 2}
+        view.show(event(4, "metrics", step=1, **metrics))
+        frames.append(bar(view))
+        view.show(event(5, "state", state="recovering", reason="rank 1: OSError"))
+        frames.append(bar(view))
+    assert frames == [
+        "queued | waiting in the queue",
+        "starting | waiting for the first step on 2 workers",
+        "running | step 1/50 loss 2.5 900 samples/s 2 workers ETA -:--:--",
+        "recovering | step 1/50 loss 2.5 900 samples/s 2 workers ETA -:--:--",
+    ]
