@@ -11,6 +11,7 @@ import pytest
 import torch
 from ray.util.state import list_actors
 
+from elastic_train import render
 from jobs.workloads.image_classification import SmallCNN
 from tests.conftest import TERMINAL, LiveServer, make_settings, small_job, state_address, wait_for
 
@@ -255,8 +256,15 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 5000}).json()["items"]
     ours = [(e["rank"], e["stream"], e["line"]) for e in logs if "[elastic-train]" in e["line"]]
     assert ours[0][:2] == (0, "stdout")
-    assert ours[0][2].startswith("[elastic-train] checkpoint of step 10 saved (")
-    assert ours[0][2].endswith(" kB)")  # the small CNN's state: tens of kB
+    # Its size as `etrain checkpoints` and `etrain events` show it: one unit (the small CNN's
+    # state: tens of KiB).
+    (saved_10,) = [
+        e["data"]["size_bytes"]
+        for e in events
+        if e["kind"] == "checkpoint_saved" and e["data"]["step"] == 10
+    ]
+    assert ours[0][2] == f"[elastic-train] checkpoint of step 10 saved ({render.size(saved_10)})"
+    assert ours[0][2].endswith(" KiB)")
     saved_lines = [line for _, _, line in ours if " checkpoint of step " in line]
     assert [int(line.split()[4]) for line in saved_lines] == [10, 20, 30, 40, 50]
     assert [line for _, _, line in ours if " epoch " in line] == [
