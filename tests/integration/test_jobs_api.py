@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,17 @@ from ray.util.state import list_actors
 
 from elastic_train import render
 from jobs.workloads.image_classification import SmallCNN
-from tests.conftest import TERMINAL, LiveServer, make_settings, small_job, state_address, wait_for
+from tests.conftest import (
+    TERMINAL,
+    TOKEN,
+    LiveServer,
+    make_settings,
+    small_job,
+    state_address,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -278,6 +290,47 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     model.load_state_dict(state["model"])  # strict: every tensor present and shaped right
     out = model(torch.zeros(4, 3, 32, 32))
     assert out.shape == (4, 10)
+
+
+def test_the_readme_curl_commands_work_as_written(server: LiveServer, tmp_path: Path) -> None:
+    """Run where `make run` leaves a user: the admin token in .etrain/admin-token and the
+    examples beside it. Only the address is this server's, and <id> the job's."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```sh\nTOKEN=$(cat .etrain/admin-token)\n") + len("```sh\n")
+    block = readme[start : readme.index("```", start)]
+    (tmp_path / ".etrain").mkdir()
+    (tmp_path / ".etrain" / "admin-token").write_text(TOKEN + "\n")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    prelude, post, *reads = (
+        block.replace("localhost:8000", server.url).replace("\\\n", "").splitlines()
+    )
+
+    def run(command: str) -> Any:
+        done = subprocess.run(
+            ["bash", "-c", f"set -e\n{prelude}\n{command}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (done.returncode, done.stderr) == (0, ""), command
+        return json.loads(done.stdout)
+
+    client = server.client()
+    job = run(post)
+    try:
+        assert (job["name"], job["workload"], job["spec"]["hyperparameters"]) == (
+            "demo",
+            "image-classification",
+            small_job()["hyperparameters"],
+        )
+        shown, events, checkpoints = (run(line.replace("<id>", job["id"])) for line in reads)
+        assert shown["id"] == job["id"] and shown["spec"] == job["spec"]
+        assert events["items"][0]["data"]["state"] == "queued"
+        assert isinstance(checkpoints["items"], list)  # none yet, or the first ones
+    finally:
+        client.post(f"/v1/jobs/{job['id']}/cancel")
+        wait_state(client, job["id"], TERMINAL, timeout=60)
 
 
 def test_cancel_ends_the_workers(server: LiveServer) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -31,6 +32,17 @@ def test_the_example_job_file_is_the_readme_job() -> None:
     from tests.conftest import small_job
 
     assert jobfile.load(str(ROOT / "examples" / "job.yaml")) == small_job()
+
+
+def test_the_readme_posts_with_curl_the_json_file_it_shows_which_is_shipped() -> None:
+    from tests.conftest import small_job
+
+    readme = (ROOT / "README.md").read_text()
+    assert re.findall(r" -d @(\S+)", readme) == ["examples/job.json"]
+    shipped = (ROOT / "examples" / "job.json").read_text()
+    start = readme.index('{"name": "demo"')
+    assert readme[start : readme.index("```", start)] == shipped
+    assert jobfile.load(str(ROOT / "examples" / "job.json")) == small_job()
 
 
 def test_job_files_are_yaml_or_json(tmp_path: Path) -> None:
