@@ -1,4 +1,4 @@
-"""How long does training stall for a checkpoint? A model of a few hundred MB, trained by
+"""How long does training stall for a checkpoint? A model of a few hundred MiB, trained by
 the real ``elastic.train.context`` code on one worker, with checkpoints written in the background
 (what jobs do), written inline (the old way: copy, write, fsync, hash, publish, prune on
 the training thread), and not at all.
@@ -106,7 +106,7 @@ def one_run(kind: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "step": statistics.median(durations),
         "stalls": timed,
         "checkpoints": len(timed),
-        "model_mb": args.layers * size / 2**20,
+        "model_mib": args.layers * size / 2**20,
     }
 
 
@@ -142,7 +142,7 @@ def main() -> None:
     first = results["none"][0]
     print(
         f"\nmodel: {args.layers} x Linear({args.width}, {args.width}), "
-        f"{first['model_mb']:.0f} MB of parameters (+ as much SGD momentum); batch {args.batch}; "
+        f"{first['model_mib']:.0f} MiB of parameters (+ as much SGD momentum); batch {args.batch}; "
         f"{args.steps} steps, a checkpoint every {args.every} "
         f"({results['inline'][0]['checkpoints']} timed per run); "
         f"{args.rounds} rounds interleaved\n"

@@ -24,10 +24,10 @@ def load(path: str) -> dict[str, Any]:
         raise JobFileError(f"{path}: {e.strerror or e}") from None
     try:
         spec = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        raise JobFileError(
-            f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {_first_line(e)}"
-        ) from None
+    except ValueError as e:  # json's message has the position on its first line
+        raise JobFileError(f"{path}: not valid JSON: {_first_line(e)}") from None
+    except yaml.YAMLError as e:
+        raise JobFileError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(spec, dict):
         raise JobFileError(
             f"{path}: a job spec is a mapping (name, workload, ...), not {type(spec).__name__}"
@@ -52,7 +52,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise JobFileError(
-            f"{path}: the value {raw!r} is not valid YAML: {_first_line(e)}"
+            f"{path}: the value {raw!r} is not valid YAML: {_yaml_problem(e)}"
         ) from None
     return keys, value
 
@@ -77,3 +77,24 @@ def apply_overrides(spec: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def _first_line(error: Exception) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _yaml_problem(error: Exception) -> str:
+    """PyYAML's error in one line, with where it is: its message spreads over four lines
+    (what it was reading, where that began, the problem, where it is), and the first alone
+    ("while scanning a simple key") says neither what went wrong nor where."""
+    problem_mark = getattr(error, "problem_mark", None)
+    if problem_mark is None:
+        return _first_line(error)
+    problem = getattr(error, "problem", None) or _first_line(error)
+    text = f"{_position(problem_mark)}: {problem}"
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context:
+        began = "" if context_mark is None else f" at {_position(context_mark)}"
+        text += f" ({context}{began})"
+    return text
+
+
+def _position(mark: Any) -> str:
+    """A PyYAML mark as an editor counts: lines and columns from 1 (PyYAML's are from 0)."""
+    return f"line {mark.line + 1}, column {mark.column + 1}"

@@ -2,7 +2,7 @@
 
 The service's own response models live in ``service/schemas.py``; the client keeps its
 own copies so that it never imports the service (FastAPI, Ray) at start-up.
-``tests/unit/test_cli_units.py`` checks that the two agree field for field. Unknown fields
+``tests/unit/elastic_train/test_cli_units.py`` checks that the two agree field for field. Unknown fields
 from a newer service are ignored.
 """
 

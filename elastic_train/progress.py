@@ -1,6 +1,7 @@
 """``etrain submit --follow``: a live progress bar (steps of total, loss, samples/s, world
-size, ETA), with each state change, resize and recovery printed as a line above it. Off a
-terminal (CI logs) the same lines are printed, with a metrics line every tenth of the run."""
+size, ETA; before the job's first step, what it waits for), with each state change, resize
+and recovery printed as a line above it. Off a terminal (CI logs) the same lines are
+printed, with a metrics line every tenth of the run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from elastic_train.models import Event, JobInfo
-from elastic_train.render import clock, describe, number
+from elastic_train.render import clock, describe, number, plural, steps
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -27,6 +28,9 @@ class FollowView:
         self.live = console.is_terminal and not console.is_dumb_terminal
         self.job = job
         self.state = job.state.value
+        self.world = job.world_size
+        # Until the job's first step there is no step, total, loss or speed to show.
+        self.stepped = job.step > 0 or job.total_steps is not None
         self._plain_mark = -1
         self._plain_at = 0.0
         self.progress = None
@@ -36,23 +40,25 @@ class FollowView:
             self.progress = Progress(
                 TextColumn("[bold]{task.fields[state]:<10}"),
                 BarColumn(),
-                TextColumn("step {task.fields[steps]}"),
-                TextColumn("loss {task.fields[loss]}"),
-                TextColumn("{task.fields[speed]} samples/s"),
-                TextColumn("{task.fields[world]} workers"),
-                TextColumn("ETA"),
+                TextColumn("{task.fields[detail]}", markup=False),
+                TextColumn("{task.fields[eta]}"),
                 TimeRemainingColumn(),
                 console=console,
+            )
+            detail = (
+                step_detail(
+                    job.step, job.total_steps, job.last_loss, job.samples_per_s, job.world_size
+                )
+                if self.stepped
+                else waiting_detail(self.state, self.world)
             )
             self.task = self.progress.add_task(
                 job.name,
                 total=job.total_steps,
                 completed=job.step,
                 state=self.state,
-                steps=f"{job.step}/{job.total_steps or '?'}",
-                loss=number(job.last_loss),
-                speed="-" if job.samples_per_s is None else f"{job.samples_per_s:.0f}",
-                world=job.world_size,
+                detail=detail,
+                eta="ETA" if job.total_steps else "",
             )
 
     def __enter__(self) -> FollowView:
@@ -78,24 +84,27 @@ class FollowView:
         assert self.progress is not None
         d = event.data
         if event.kind == "metrics":
+            self.stepped = True
             step, total = int(d.get("step", 0)), d.get("total_steps")
-            speed = d.get("samples_per_s")
+            self.world = d.get("world_size") or self.world
             self.progress.update(
                 self.task,
                 completed=step,
                 total=total,
-                steps=f"{step}/{total or '?'}",
-                loss=number(d.get("loss")),
-                speed="-" if speed is None else f"{speed:.0f}",
-                world=d.get("world_size") or "-",
+                detail=step_detail(
+                    step, total, d.get("loss"), d.get("samples_per_s"), d.get("world_size")
+                ),
+                eta="ETA" if total else "",
                 state=self.state,
             )
         elif event.kind in ("state", "attempt_started", "resized"):
-            world = d.get("world_size") or d.get("to_world")
-            if world:
-                self.progress.update(self.task, state=self.state, world=world)
-            else:
+            self.world = d.get("world_size") or d.get("to_world") or self.world
+            if self.stepped:
                 self.progress.update(self.task, state=self.state)
+            else:
+                self.progress.update(
+                    self.task, state=self.state, detail=waiting_detail(self.state, self.world)
+                )
 
     def _plain_metrics(self, event: Event) -> None:
         step, total = int(event.data.get("step", 0)), event.data.get("total_steps")
@@ -114,3 +123,18 @@ class FollowView:
         self.console.print(
             f"{clock(event.time)}  {describe(event)}", highlight=False, soft_wrap=True, markup=False
         )
+
+
+def step_detail(
+    step: int, total: int | None, loss: float | None, speed: float | None, world: int | None
+) -> str:
+    """What the bar says of a job that has made steps."""
+    rate = "-" if speed is None else f"{speed:.0f}"
+    return f"step {steps(step, total)} loss {number(loss)} {rate} samples/s {world or '-'} workers"
+
+
+def waiting_detail(state: str, world: int) -> str:
+    """What the bar says before the job's first step: what it is waiting for."""
+    if state == "queued":
+        return "waiting in the queue"
+    return "waiting for the first step" + (f" on {plural(world, 'worker')}" if world else "")

@@ -76,11 +76,12 @@ def connect(
     auth_token: str | None = None,
     auth_token_path: str | None = None,
     worker_env: Iterable[str] = (),
-    dashboard_port: int = 8265,
+    dashboard_port: int | None = None,
 ) -> bool:
     """Join ``address`` (with Ray's token authentication when a token is given), or start a
     local Ray instance when it is None, whose processes (and so every job's workers) get
-    only the allow-listed environment (``jobs.isolation``; ``worker_env`` adds names). A
+    only the allow-listed environment (``jobs.isolation``; ``worker_env`` adds names), and
+    whose dashboard is on ``dashboard_port`` (None: Ray's 8265, or the next free port). A
     no-op when this process is already connected (tests share one cluster). Returns whether
     this call connected: then ``disconnect`` is the caller's to call."""
     if ray.is_initialized():
@@ -94,7 +95,7 @@ def connect(
     keep_ray_on_loopback()
     # Ray's processes inherit this process's environment, the service's secrets with it.
     with isolation.only_environment(isolation.worker_environment(os.environ, worker_env)):
-        ray.init(
+        context = ray.init(
             # "local" always starts a new instance: a bare init would try to join a stale
             # cluster that an earlier crash left recorded in Ray's temp dir.
             address="local",
@@ -107,6 +108,7 @@ def connect(
             dashboard_port=dashboard_port,
             _system_config=FAST_FAILURE_DETECTION,
         )
+    log.info("the embedded Ray's dashboard is on http://%s", context.dashboard_url)
     return True
 
 

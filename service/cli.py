@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import signal
 import sys
@@ -13,8 +14,11 @@ from typing import Any
 import uvicorn
 
 from service.auth import TOKEN_FILE, resolve_admin_token
-from service.server import server_config
+from service.server import listening_sockets, port_is_free, server_config
 from service.settings import Settings
+
+# Where jobs.launcher has an embedded Ray's dashboard listen: loopback only.
+RAY_DASHBOARD_HOST = "127.0.0.1"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # Before Ray starts (many seconds) and before the banner and a new token are printed.
+    busy = busy_dashboard_port(settings)
+    if busy:
+        return fail(busy)
+    try:
+        sockets = listening_sockets(settings.host, settings.port)
+    except OSError as e:
+        return fail(cannot_listen(settings, e))
     token, generated = resolve_admin_token(settings)
     url = f"http://{settings.host}:{settings.port}"
     print(f"elastic-train on {url}  (API docs: {url}/docs)", flush=True)
@@ -44,8 +56,39 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # In-flight requests get up to 5 s to finish; live streams are told to end at once.
     server = GracefulServer(services_of(app).hub, server_config(app, settings))
-    server.run()
+    server.run(sockets=sockets)
     return 0
+
+
+def fail(message: str) -> int:
+    """A start-up that cannot go on: one line, as etrain's other commands say errors."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def cannot_listen(settings: Settings, error: OSError) -> str:
+    """Why the server cannot have its address, and the settings that choose another."""
+    where = f"{settings.host}:{settings.port}"
+    if error.errno == errno.EADDRINUSE:
+        return f"{where} is already in use; choose another port with --port or ETRAIN_PORT"
+    reason = error.strerror or str(error)
+    return (
+        f"cannot listen on {where} ({reason}); choose another address with --host and "
+        "--port, or ETRAIN_HOST and ETRAIN_PORT"
+    )
+
+
+def busy_dashboard_port(settings: Settings) -> str | None:
+    """A port set for the embedded Ray's dashboard that is in use: Ray would fail on it
+    only after starting its other processes, with a traceback. Unset, Ray takes 8265 or
+    the next free port."""
+    port = settings.ray_dashboard_port
+    if settings.ray_address or port is None or port_is_free(RAY_DASHBOARD_HOST, port):
+        return None
+    return (
+        f"{RAY_DASHBOARD_HOST}:{port}, the embedded Ray's dashboard port, is already in use; "
+        "choose another with ETRAIN_RAY_DASHBOARD_PORT, or unset it for a free one"
+    )
 
 
 def admin_token_notice(settings: Settings, token: str, generated: bool) -> str:
@@ -72,6 +115,10 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if sockets is not None and self.started:
+            # uvicorn says where it listens ("Uvicorn running on ...") only of sockets it
+            # bound itself.
+            self._log_started_message(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)

@@ -19,6 +19,7 @@ clients do. The request-head timer ends with each head (see ``handle_events``).
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any, ClassVar
 
 import uvicorn
@@ -91,3 +92,37 @@ def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Con
         **overrides,
     }
     return uvicorn.Config(app, **values)
+
+
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, bound to every address of ``host`` as uvicorn's own binding
+    does (asyncio's ``create_server``: SO_REUSEADDR, IPv6 sockets IPv6 only). Bound by
+    ``etrain serve`` before it starts Ray, which takes many seconds, so that a port in use
+    is said at once; listening starts with the server. Raises OSError (none are left open)."""
+    infos = socket.getaddrinfo(
+        host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (as Ray checks its dashboard's)."""
+    try:
+        for sock in listening_sockets(host, port):
+            sock.close()
+    except OSError:
+        return False
+    return True

@@ -53,12 +53,12 @@ class Settings(BaseSettings):
     ray_num_gpus: int | None = Field(
         None, ge=0, description="GPUs of the embedded Ray instance. Unset: Ray detects them."
     )
-    ray_dashboard_port: int = Field(
-        8265,
+    ray_dashboard_port: int | None = Field(
+        None,
         ge=1,
         le=65535,
-        description="Loopback port of the embedded Ray instance's dashboard (two services "
-        "on one machine need two).",
+        description="Loopback port of the embedded Ray instance's dashboard. Unset: Ray's "
+        "8265, or the next free port when another Ray holds it; the log says which.",
     )
     checkpoint_dir: str | None = Field(
         None,

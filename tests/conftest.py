@@ -59,6 +59,7 @@ STARTS_ITS_OWN = (
     "test_gcs_ft",
     "test_ray_token_auth",
     "test_security_server",
+    "test_serve",
 )
 
 

@@ -345,4 +345,11 @@ class CheckpointManager:
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
+    """In binary units, as `etrain checkpoints` and the dashboard show checkpoint sizes
+    (elastic_train.render.size; the workers do not import the client)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

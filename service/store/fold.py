@@ -51,7 +51,8 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
     data, kind = ev["data"], ev["kind"]
     when = datetime.fromtimestamp(ev["time"], UTC)
     if kind == EventKind.STATE:
-        target = check_transition(JobState(job.state), JobState(data["state"]))
+        previous = JobState(job.state)
+        target = check_transition(previous, JobState(data["state"]))
         job.state = target.value
         if data.get("reason") or target.is_terminal:
             job.message = data.get("reason")
@@ -59,15 +60,23 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
             job.world_size = int(data["world_size"])
         if target == JobState.RUNNING and job.started_at is None:
             job.started_at = when
-        if target == JobState.RECOVERING:
-            job.restarts += 1
         if target == JobState.QUEUED:  # preempted: it holds no worker until it starts again
             job.world_size = 0
+            if previous == JobState.RECOVERING:
+                # Held back by the scheduler on its way to a restart: the attempt that
+                # restarts it will start from queued, so it is counted here.
+                job.restarts += 1
         if target.is_terminal:
             job.finished_at = when
             job.world_size = 0
     elif kind == EventKind.ATTEMPT_STARTED:
         job.world_size = int(data["world_size"])
+        # A restart is an attempt that a failure began, as the supervisor counts them
+        # against max_restarts. Entries into recovering would miss some: an attempt that
+        # fails before its first step leaves the job recovering, and the next one starts
+        # with no state event.
+        if job.state == JobState.RECOVERING:
+            job.restarts += 1
     elif kind == EventKind.METRICS:
         s.add(
             MetricRow(

@@ -6,6 +6,7 @@ test-artifacts/dashboard/ (printed at the end)."""
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from tests.conftest import (
     ClusterPool,
     LiveServer,
     create_user_token,
+    free_port,
     make_settings,
     small_job,
     wait_for,
@@ -91,6 +93,27 @@ def page(browser: Any, live: LiveServer) -> Iterator[Any]:
     assert errors == [], errors  # no uncaught JavaScript error on any page
     # The token travels in a header only: never in a URL (which logs and proxies keep).
     assert [u for _, _, u in tab.sent if TOKEN in u] == []
+
+
+@pytest.fixture(scope="module")
+def pages_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The service's HTTP server without its lifespan (no Ray, no API behind the pages): the
+    dashboard as a browser gets it, for what shows before anything is asked of the API."""
+    import uvicorn
+
+    from service.app import create_app
+
+    app = create_app(make_settings(tmp_path_factory.mktemp("pages")))
+    port = free_port()
+    config = uvicorn.Config(app, port=port, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), 30, 0.02, "the server to start")
+    assert server.started
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(30)
 
 
 @pytest.fixture
@@ -201,6 +224,27 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
     expect(page.locator("table.checkpoints tbody tr").first.locator("td").first).to_have_text("30")
     expect(page.get_by_role("button", name="Cancel job")).to_be_disabled()
     shoot(page, "04-job")
+
+
+def test_the_sign_in_hint_shows_the_command_and_the_setting_as_code(
+    browser: Any, pages_only: str
+) -> None:
+    """Text in the page is not markdown: a command in backticks showed its backticks."""
+    from playwright.sync_api import expect
+
+    context = browser.new_context(viewport=DESKTOP)
+    tab = context.new_page()
+    errors: list[str] = []
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.goto(pages_only + "/")
+    hint = tab.locator("#token-hint")
+    expect(hint).to_have_text(
+        "The token that etrain serve printed (or ETRAIN_API_TOKEN). It is kept in this "
+        "browser tab only, until you sign out or close it."
+    )
+    expect(hint.locator("code")).to_have_text(["etrain serve", "ETRAIN_API_TOKEN"])
+    context.close()
+    assert errors == [], errors
 
 
 def test_sign_out_forgets_the_token_and_ends_the_stream(page: Any, live: LiveServer) -> None:

@@ -173,6 +173,12 @@ def test_submit_follow_draws_the_bar_to_succeeded(
     steps = [int(s) for s in re.findall(r"step (\d+)/50", screen)]
     assert HOLD_AT in steps and steps[-1] == 50
     assert steps == sorted(steps)  # the bar only moves forward
+    # Before the first step it says what the job waits for, not `step 0/?`.
+    assert re.search(
+        r"(queued|starting) +[━╸╺]+ waiting (in the queue|for the first step on 2 workers)",
+        screen,
+    )
+    assert "/?" not in screen
     assert re.search(r"\d\d:\d\d:\d\d  state running on 2 workers\r\n", screen)
     assert re.search(r"\d\d:\d\d:\d\d  state succeeded\r\n", screen)
     assert screen.rstrip().splitlines()[-1] == f"{job_id} succeeded"

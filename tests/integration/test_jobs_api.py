@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,18 @@ import torch
 from ray.util.state import list_actors
 
 from elastic.job_state import TERMINAL_STATES
+from elastic_train import render
 from jobs.workloads.image_classification import SmallCNN
-from tests.conftest import LiveServer, make_settings, small_job, state_address, wait_for
+from tests.conftest import (
+    TOKEN,
+    LiveServer,
+    make_settings,
+    small_job,
+    state_address,
+    wait_for,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_state(client: httpx.Client, job_id: str) -> dict[str, Any]:
@@ -258,8 +270,15 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"limit": 5000}).json()["items"]
     ours = [(e["rank"], e["stream"], e["line"]) for e in logs if "[elastic-train]" in e["line"]]
     assert ours[0][:2] == (0, "stdout")
-    assert ours[0][2].startswith("[elastic-train] checkpoint of step 10 saved (")
-    assert ours[0][2].endswith(" kB)")  # the small CNN's state: tens of kB
+    # Its size as `etrain checkpoints` and `etrain events` show it: one unit (the small CNN's
+    # state: tens of KiB).
+    (saved_10,) = [
+        e["data"]["size_bytes"]
+        for e in events
+        if e["kind"] == "checkpoint_saved" and e["data"]["step"] == 10
+    ]
+    assert ours[0][2] == f"[elastic-train] checkpoint of step 10 saved ({render.size(saved_10)})"
+    assert ours[0][2].endswith(" KiB)")
     saved_lines = [line for _, _, line in ours if " checkpoint of step " in line]
     assert [int(line.split()[4]) for line in saved_lines] == [10, 20, 30, 40, 50]
     assert [line for _, _, line in ours if " epoch " in line] == [
@@ -273,6 +292,49 @@ def test_the_readme_job_runs_to_succeeded_and_its_checkpoint_loads(server: LiveS
     model.load_state_dict(state["model"])  # strict: every tensor present and shaped right
     out = model(torch.zeros(4, 3, 32, 32))
     assert out.shape == (4, 10)
+
+
+def test_the_readme_curl_commands_work_as_written(server: LiveServer, tmp_path: Path) -> None:
+    """Run where `make run` leaves a user: the admin token in .etrain/admin-token and the
+    examples beside it. Only the address is this server's, and <id> the job's."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```sh\nTOKEN=$(cat .etrain/admin-token)\n") + len("```sh\n")
+    block = readme[start : readme.index("```", start)]
+    (tmp_path / ".etrain").mkdir()
+    (tmp_path / ".etrain" / "admin-token").write_text(TOKEN + "\n")
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    prelude, post, *reads = (
+        block.replace("localhost:8000", server.url).replace("\\\n", "").splitlines()
+    )
+
+    def run(command: str) -> Any:
+        done = subprocess.run(
+            ["bash", "-c", f"set -e\n{prelude}\n{command}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (done.returncode, done.stderr) == (0, ""), command
+        return json.loads(done.stdout)
+
+    client = server.client()
+    job = run(post)
+    try:
+        assert (job["name"], job["workload"], job["state"]) == (
+            "demo",
+            "image-classification",
+            "queued",
+        )
+        # The README's job, with the workload's defaults filled in.
+        assert job["spec"]["hyperparameters"].items() >= small_job()["hyperparameters"].items()
+        shown, events, checkpoints = (run(line.replace("<id>", job["id"])) for line in reads)
+        assert shown["id"] == job["id"] and shown["spec"] == job["spec"]
+        assert events["items"][0]["data"]["state"] == "queued"
+        assert isinstance(checkpoints["items"], list)  # none yet, or the first ones
+    finally:
+        client.post(f"/v1/jobs/{job['id']}/cancel")
+        wait_state(client, job["id"], TERMINAL_STATES, timeout=60)
 
 
 def test_cancel_ends_the_workers(server: LiveServer) -> None:

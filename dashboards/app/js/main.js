@@ -41,8 +41,9 @@ function signInPage(message) {
       el("label", { for: "token" }, "API token"),
       input,
       el("p", { class: "hint", id: "token-hint" },
-        "The token that `etrain serve` printed (or ETRAIN_API_TOKEN). It is kept in this "
-        + "browser tab only, until you sign out or close it."),
+        "The token that ", el("code", {}, "etrain serve"), " printed (or ",
+        el("code", {}, "ETRAIN_API_TOKEN"), "). It is kept in this browser tab only, until "
+        + "you sign out or close it."),
       error),
     el("button", { type: "submit", class: "primary" }, "Sign in"));
   form.addEventListener("submit", async (e) => {

@@ -29,6 +29,7 @@ from elastic.checkpoint.parts import (
 from elastic.checkpoint.storage import LocalCheckpointStorage
 from elastic.checkpoint.writer import STATE_FILE, CheckpointManager, cpu_copy
 from elastic.train.worker import WorkerContext
+from elastic_train import render
 
 
 def test_each_part_gets_its_own_state_back_when_registered() -> None:
@@ -141,6 +142,27 @@ def test_training_waits_for_the_copy_only_and_one_write_at_a_time(tmp_path: Path
     assert torch.equal(first["weights"], torch.zeros(4))  # the state as it was at step 10
     later = torch.load(Path(saved[1]["path"]) / STATE_FILE, weights_only=True)
     assert torch.equal(later["weights"], torch.ones(4))
+
+
+def test_the_log_line_of_a_save_gives_its_size_as_etrain_checkpoints_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One unit for sizes a user reads: binary (KiB, MiB), in the job's log as in the CLI."""
+    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=1, keep=5)
+    manager = CheckpointManager(worker)
+    weights = torch.zeros(1)
+    manager.state.register("weights", Value(lambda: weights, lambda v: None))
+    for step, elements in ((10, 16 << 10), (20, 1 << 20)):  # 64 KiB, then 4 MiB of float32
+        weights = torch.zeros(elements)
+        manager.save(step)
+        manager.wait()
+    sizes = [d["size_bytes"] for k, d in worker.local_events if k == "checkpoint_saved"]
+    logged = [line for line in capsys.readouterr().out.splitlines() if " saved (" in line]
+    assert logged == [
+        f"[elastic-train] checkpoint of step {step} saved ({render.size(n)})"
+        for step, n in zip((10, 20), sizes, strict=True)
+    ]
+    assert [line.rsplit(" ", 1)[1] for line in logged] == ["KiB)", "MiB)"]
 
 
 def test_a_failed_write_surfaces_on_the_training_thread(tmp_path: Path) -> None:

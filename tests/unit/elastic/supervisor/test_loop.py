@@ -19,7 +19,10 @@ from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.loop import JobLoop, Timing
 from elastic.supervisor.plan import SupervisorPlan
 from elastic.supervisor.runner import AttemptSpec, RunningAttempt
+from service.store import Store
+from service.store.models import JobRow
 from tests.clock import Clock
+from tests.conftest import small_job
 
 FAST = Timing(
     poll_s=0.01,
@@ -694,6 +697,70 @@ def test_attempts_that_fail_while_recovering_are_restarts_within_the_limit() -> 
         assert len(h.runner.specs) == 3
 
     run(body)
+
+
+def stored(store: Store, h: Harness) -> JobRow:
+    """The job as the service keeps it, once it has stored what the supervisor said (the
+    supervisor numbers its events after the service's own first one)."""
+    job = store.create_job("demo", "admin", "image-classification", small_job())
+    store.append_events(job.id, [{**e, "seq": e["seq"] + 1} for e in h.log.pending])
+    row = store.get_job(job.id)
+    assert row is not None
+    return row
+
+
+def test_the_restarts_the_service_shows_are_those_the_supervisor_gave_up_after(
+    store: Store,
+) -> None:
+    """`etrain status` said `restarts 1` of a job that "gave up after 3 restarts": attempts
+    that fail before their first step leave the job recovering, with no state event."""
+
+    async def body() -> Harness:
+        h = Harness(FakeCluster(1), max_restarts=3)
+        h.start()
+        for number in (1, 2, 3, 4):
+            await h.attempt(number)
+            h.runner.end(AttemptOutcome("rank 0: FileNotFoundError: nope"))
+        await h.finish()
+        return h
+
+    h = asyncio.run(asyncio.wait_for(body(), 10))
+    assert h.states() == ["starting", "recovering", "failed"]
+    row = stored(store, h)
+    assert (row.state, row.restarts) == ("failed", 3)
+    assert row.message == (
+        "rank 0: FileNotFoundError: nope (gave up after 3 restarts; max_restarts is 3)"
+    )
+
+
+def test_a_restart_the_scheduler_held_back_in_the_queue_is_counted_once(store: Store) -> None:
+    async def body() -> Harness:
+        cluster = FakeCluster(1)
+        decide(cluster, 1, Change.START, "started")
+        h = Harness(cluster, max_restarts=3)
+        h.start()
+        await h.workers_start(1, step=1)
+        decide(cluster, 0, Change.WAIT, "waiting behind 1 job of priority 100")
+        h.runner.end(AttemptOutcome("rank 0: OSError: disk gone"))
+        await h.until(lambda: h.loop.state == "queued", "held back in the queue")
+        decide(cluster, 1, Change.START, "started")
+        await h.workers_start(2, step=1)
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        return h
+
+    h = asyncio.run(asyncio.wait_for(body(), 10))
+    assert h.states() == [
+        "starting",
+        "running",
+        "recovering",
+        "queued",
+        "starting",
+        "running",
+        "succeeded",
+    ]
+    row = stored(store, h)
+    assert (row.state, row.restarts) == ("succeeded", 1)
 
 
 def test_a_checkpoint_location_the_nodes_do_not_share_fails_the_job_before_any_attempt() -> None:

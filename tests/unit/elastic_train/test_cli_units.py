@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from elastic_train import config, errors, jobfile, models, protocol, render
 from elastic_train.cli import cli
 from elastic_train.cli import main as etrain_main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # -- job files and --set -------------------------------------------------------------
@@ -31,6 +32,17 @@ def test_the_example_job_file_is_the_readme_job() -> None:
     from tests.conftest import small_job
 
     assert jobfile.load(str(ROOT / "examples" / "job.yaml")) == small_job()
+
+
+def test_the_readme_posts_with_curl_the_json_file_it_shows_which_is_shipped() -> None:
+    from tests.conftest import small_job
+
+    readme = (ROOT / "README.md").read_text()
+    assert re.findall(r" -d @(\S+)", readme) == ["examples/job.json"]
+    shipped = (ROOT / "examples" / "job.json").read_text()
+    start = readme.index('{"name": "demo"')
+    assert readme[start : readme.index("```", start)] == shipped
+    assert jobfile.load(str(ROOT / "examples" / "job.json")) == small_job()
 
 
 def test_job_files_are_yaml_or_json(tmp_path: Path) -> None:
@@ -46,6 +58,27 @@ def test_job_files_are_yaml_or_json(tmp_path: Path) -> None:
         jobfile.load(str(tmp_path / "bad.json"))
     with pytest.raises(jobfile.JobFileError, match=r"missing.yaml: No such file"):
         jobfile.load(str(tmp_path / "missing.yaml"))
+
+
+def test_a_yaml_error_says_where_it_is(tmp_path: Path) -> None:
+    """PyYAML's first line ("while scanning a simple key") names neither the problem nor its
+    place: the message carries both, lines and columns counted from 1 as editors do."""
+    (tmp_path / "job.yaml").write_text(
+        "name: demo\nworkload: image-classification\nscaling\n  min_workers: 1\n"
+    )
+    with pytest.raises(jobfile.JobFileError) as e:
+        jobfile.load(str(tmp_path / "job.yaml"))
+    assert str(e.value) == (
+        f"{tmp_path / 'job.yaml'}: not valid YAML: line 4, column 14: could not find "
+        "expected ':' (while scanning a simple key at line 3, column 1)"
+    )
+    (tmp_path / "unclosed.yaml").write_text("name: demo\nscaling: {min_workers: 1\n")
+    with pytest.raises(jobfile.JobFileError) as e:
+        jobfile.load(str(tmp_path / "unclosed.yaml"))
+    assert str(e.value) == (
+        f"{tmp_path / 'unclosed.yaml'}: not valid YAML: line 3, column 1: expected ',' or '}}', "
+        "but got '<stream end>' (while parsing a flow mapping at line 2, column 10)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -85,7 +118,11 @@ def test_set_creates_mappings_and_leaves_the_file_alone() -> None:
         ("hyperparameters..lr=1", r"expected a dotted path"),
         ("=1", r"expected a dotted path"),
         ("name.first=x", r"^name: is 'a', not a mapping; cannot set name.first$"),
-        ("name=[1", r"^name: the value '\[1' is not valid YAML"),
+        (
+            "name=[1",
+            r"^name: the value '\[1' is not valid YAML: line 1, column 3: expected ',' or "
+            r"'\]', but got '<stream end>' \(while parsing a flow sequence at line 1, column 1\)$",
+        ),
     ],
 )
 def test_a_bad_set_names_what_is_wrong(override: str, message: str) -> None:
@@ -409,16 +446,10 @@ def test_a_command_loads_no_service_ray_or_torch(tmp_path: Path) -> None:
     assert done.stderr == "error: could not reach http://127.0.0.1:9: connection refused\n"
 
 
-def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metrics() -> None:
-    import io
-
-    from rich.console import Console
-
-    from elastic_train.progress import FollowView
-
-    out = io.StringIO()
+def new_job() -> models.JobInfo:
+    """A job as `etrain submit --follow` finds it: just submitted, queued, no step yet."""
     now = datetime.now(UTC)
-    job = models.JobInfo.model_validate(
+    return models.JobInfo.model_validate(
         {
             **dict.fromkeys(["message", "total_steps", "last_loss", "samples_per_s"]),
             **dict.fromkeys(["started_at", "finished_at"]),
@@ -435,7 +466,17 @@ def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metri
             "updated_at": now,
         }
     )
-    with FollowView(Console(file=out, width=40), job) as view:
+
+
+def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metrics() -> None:
+    import io
+
+    from rich.console import Console
+
+    from elastic_train.progress import FollowView
+
+    out = io.StringIO()
+    with FollowView(Console(file=out, width=40), new_job()) as view:
         assert not view.live
         view.show(models.Event(seq=1, kind="state", time=0.0, data={"state": "running"}))
         for step in range(1, 51):
@@ -461,3 +502,42 @@ def test_off_a_terminal_follow_prints_the_news_verbatim_and_a_tenth_of_the_metri
         50,
     ]
     assert lines[-1] == f"state failed: {reason}"  # no markup, not wrapped at 40 columns
+
+
+def test_before_its_first_step_the_bar_says_what_the_job_waits_for() -> None:
+    """Not `step 0/?`: a queued or starting job has no step, total, loss or speed yet."""
+    import io
+
+    from rich.console import Console
+
+    from elastic_train.progress import FollowView
+
+    def bar(view: FollowView) -> str:
+        """The bar as the terminal shows it now, without its bar graphic."""
+        assert view.progress is not None
+        shown = io.StringIO()
+        Console(file=shown, width=120, color_system=None).print(view.progress.get_renderable())
+        state, _, rest = shown.getvalue().rstrip().partition(" ")
+        return f"{state} | {rest.lstrip().lstrip('━╸╺ ')}"
+
+    def event(seq: int, kind: str, **data: Any) -> models.Event:
+        return models.Event(seq=seq, kind=kind, time=0.0, data=data)
+
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with FollowView(terminal, new_job()) as view:
+        assert view.live
+        frames = [bar(view)]
+        view.show(event(2, "state", state="starting", world_size=2))
+        frames.append(bar(view))
+        view.show(event(3, "state", state="running", world_size=2))
+        metrics = {"total_steps": 50, "loss": 2.5, "samples_per_s": 900.0, "world_size": 2}
+        view.show(event(4, "metrics", step=1, **metrics))
+        frames.append(bar(view))
+        view.show(event(5, "state", state="recovering", reason="rank 1: OSError"))
+        frames.append(bar(view))
+    assert frames == [
+        "queued | waiting in the queue",
+        "starting | waiting for the first step on 2 workers",
+        "running | step 1/50 loss 2.5 900 samples/s 2 workers ETA -:--:--",
+        "recovering | step 1/50 loss 2.5 900 samples/s 2 workers ETA -:--:--",
+    ]
