@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from httpx_sse import EventSource
 
+from elastic.events import EventKind
 from elastic.job_state import JobState
 from elastic_train import config, protocol
 from elastic_train.client import USER_AGENT
@@ -197,7 +198,7 @@ class AsyncJob:
         deadline = None if timeout is None else time.monotonic() + timeout
         await self.refresh()
         if not self.state.is_terminal:
-            cursor = protocol.StreamCursor(kinds=("state",))
+            cursor = protocol.StreamCursor(kinds=(EventKind.STATE,))
             async for _ in self.client._follow(self.id, cursor, deadline):
                 pass
             await self.refresh()
@@ -217,14 +218,14 @@ class AsyncJob:
                 yield Event.model_validate(item)
 
     async def stream_metrics(self, *, after: int = 0) -> AsyncIterator[dict[str, Any]]:
-        async for event in self.events(follow=True, after=after, kinds=("metrics",)):
+        async for event in self.events(follow=True, after=after, kinds=(EventKind.METRICS,)):
             yield metric_point(event)
 
     async def logs(
         self, follow: bool = False, *, rank: int | None = None, after: int = 0
     ) -> AsyncIterator[LogLine]:
         if follow:
-            async for event in self.events(follow=True, after=after, kinds=("log",)):
+            async for event in self.events(follow=True, after=after, kinds=(EventKind.LOG,)):
                 for line in log_lines(event):
                     if rank is None or line.rank == rank:
                         yield line

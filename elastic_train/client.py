@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from httpx_sse import EventSource
 
+from elastic.events import EventKind
 from elastic.job_state import JobState
 from elastic_train import config, protocol
 from elastic_train.errors import ConnectionFailed, from_problem
@@ -215,7 +216,7 @@ class Job:
         self.refresh()
         if not self.state.is_terminal:
             for _ in self.client._follow(
-                self.id, protocol.StreamCursor(kinds=("state",)), deadline
+                self.id, protocol.StreamCursor(kinds=(EventKind.STATE,)), deadline
             ):
                 pass
             self.refresh()
@@ -235,7 +236,7 @@ class Job:
     def stream_metrics(self, *, after: int = 0) -> Iterator[dict[str, Any]]:
         """Each metrics report (``time``, ``step``, ``loss``, ``samples_per_s``,
         ``world_size``, ...) as it arrives, from the first, until the job ends."""
-        for event in self.events(follow=True, after=after, kinds=("metrics",)):
+        for event in self.events(follow=True, after=after, kinds=(EventKind.METRICS,)):
             yield metric_point(event)
 
     def logs(
@@ -244,7 +245,7 @@ class Job:
         """The workers' output lines (of one ``rank`` if given); with ``follow``, live
         until the job ends."""
         if follow:
-            for event in self.events(follow=True, after=after, kinds=("log",)):
+            for event in self.events(follow=True, after=after, kinds=(EventKind.LOG,)):
                 yield from (line for line in log_lines(event) if rank is None or line.rank == rank)
             return
         for page in self.client._event_pages(protocol.job_path(self.id, "logs"), after, {}):

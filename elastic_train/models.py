@@ -2,8 +2,8 @@
 
 The service's own response models live in ``service/schemas.py``; the client keeps its
 own copies so that it never imports the service (FastAPI, Ray) at start-up.
-``tests/unit/elastic_train/test_cli_units.py`` checks that the two agree field for field. Unknown fields
-from a newer service are ignored.
+``tests/unit/elastic_train/test_cli_units.py`` checks that the two agree field for field.
+Unknown fields from a newer service are ignored.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from elastic.events import EventKind
 from elastic.job_state import JobState
 
 
@@ -58,7 +59,7 @@ class Event(_Answer):
     @property
     def is_terminal(self) -> bool:
         """The job's last event: its move to succeeded, failed or cancelled."""
-        if self.kind != "state":
+        if self.kind != EventKind.STATE:
             return False
         try:
             return JobState(str(self.data.get("state"))).is_terminal

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from elastic.events import EventKind
 from elastic_train.models import Event, JobInfo
 from elastic_train.render import clock, describe, number, plural, steps
 
@@ -16,9 +17,16 @@ if TYPE_CHECKING:
 
 # Printed above the bar as they happen; metrics only move the bar.
 NEWS = frozenset(
-    {"state", "attempt_started", "worker_lost", "resized", "restored", "checkpoint_corrupt"}
+    {
+        EventKind.STATE,
+        EventKind.ATTEMPT_STARTED,
+        EventKind.WORKER_LOST,
+        EventKind.RESIZED,
+        EventKind.RESTORED,
+        EventKind.CHECKPOINT_CORRUPT,
+    }
 )
-FOLLOWED_KINDS = (*sorted(NEWS), "metrics")
+FOLLOWED_KINDS = (*sorted(NEWS), EventKind.METRICS)
 PLAIN_METRICS_EVERY_S = 10.0
 
 
@@ -71,19 +79,19 @@ class FollowView:
             self.progress.stop()
 
     def show(self, event: Event) -> None:
-        if event.kind == "state":
+        if event.kind == EventKind.STATE:
             self.state = str(event.data.get("state"))
         if event.kind in NEWS:
             self._line(event)
         if self.progress is not None:
             self._update_bar(event)
-        elif event.kind == "metrics":
+        elif event.kind == EventKind.METRICS:
             self._plain_metrics(event)
 
     def _update_bar(self, event: Event) -> None:
         assert self.progress is not None
         d = event.data
-        if event.kind == "metrics":
+        if event.kind == EventKind.METRICS:
             self.stepped = True
             step, total = int(d.get("step", 0)), d.get("total_steps")
             self.world = d.get("world_size") or self.world
@@ -97,7 +105,7 @@ class FollowView:
                 eta="ETA" if total else "",
                 state=self.state,
             )
-        elif event.kind in ("state", "attempt_started", "resized"):
+        elif event.kind in (EventKind.STATE, EventKind.ATTEMPT_STARTED, EventKind.RESIZED):
             self.world = d.get("world_size") or d.get("to_world") or self.world
             if self.stepped:
                 self.progress.update(self.task, state=self.state)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from elastic.events import EventKind
 from elastic_train.errors import ConnectionFailed
 from elastic_train.models import Event
 
@@ -50,7 +51,7 @@ def stream_kinds(kinds: Iterable[str] | None) -> tuple[str, ...] | None:
     if kinds is None:
         return None
     asked = tuple(dict.fromkeys(kinds))
-    return asked if "state" in asked else (*asked, "state")
+    return asked if EventKind.STATE in asked else (*asked, EventKind.STATE)
 
 
 RECONNECT = object()

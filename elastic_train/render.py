@@ -7,6 +7,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from elastic.events import EventKind
 from elastic_train.models import Event, JobInfo
 
 
@@ -48,17 +49,17 @@ def steps(step: int, total: int | None) -> str:
 def describe(event: Event) -> str:
     """What an event says, in one line (without its number and time)."""
     d, kind = event.data, event.kind
-    if kind == "state":
+    if kind == EventKind.STATE:
         text = f"state {d.get('state')}"
         if d.get("world_size"):
             text += f" on {plural(d['world_size'], 'worker')}"
         return text + (f": {d['reason']}" if d.get("reason") else "")
-    if kind == "attempt_started":
+    if kind == EventKind.ATTEMPT_STARTED:
         text = f"attempt {d.get('attempt')} started on {plural(d.get('world_size'), 'worker')}"
         if d.get("checkpoint_step") is not None:
             text += f" from the checkpoint of step {d['checkpoint_step']}"
         return text
-    if kind == "metrics":
+    if kind == EventKind.METRICS:
         parts = [f"step {steps(int(d.get('step', 0)), d.get('total_steps'))}"]
         parts += [f"loss {number(d.get('loss'))}"]
         if d.get("accuracy") is not None:
@@ -68,14 +69,14 @@ def describe(event: Event) -> str:
         if d.get("world_size"):
             parts.append(plural(d["world_size"], "worker"))
         return "metrics " + ", ".join(parts)
-    if kind == "worker_lost":
+    if kind == EventKind.WORKER_LOST:
         ranks = ", ".join(str(r) for r in d.get("ranks") or []) or "?"
         text = f"worker lost: rank {ranks} of {plural(d.get('from_world'), 'worker')}"
         return text + (f" ({d['reason']})" if d.get("reason") else "")
-    if kind in ("resized", "restored"):
+    if kind in (EventKind.RESIZED, EventKind.RESTORED):
         head = (
             f"resized from {d.get('from_world')} to {plural(d.get('to_world'), 'worker')}"
-            if kind == "resized"
+            if kind == EventKind.RESIZED
             else f"restored the checkpoint of step {d.get('checkpoint_step')}"
         )
         details = []
@@ -84,13 +85,13 @@ def describe(event: Event) -> str:
         if d.get("recovery_seconds") is not None:
             details.append(f"recovered in {d['recovery_seconds']:.1f} s")
         return head + (f" ({', '.join(details)})" if details else "")
-    if kind == "checkpoint_saved":
+    if kind == EventKind.CHECKPOINT_SAVED:
         return f"checkpoint of step {d.get('step')} saved ({size(int(d.get('size_bytes', 0)))})"
-    if kind == "checkpoint_removed":
+    if kind == EventKind.CHECKPOINT_REMOVED:
         return f"checkpoint of step {d.get('step')} removed"
-    if kind == "checkpoint_corrupt":
+    if kind == EventKind.CHECKPOINT_CORRUPT:
         return f"checkpoint of step {d.get('step')} is corrupt, skipped: {d.get('reason')}"
-    if kind == "log":
+    if kind == EventKind.LOG:
         lines = d.get("lines") or []
         return f"log: {plural(len(lines), 'line')} from rank {d.get('rank')}"
     return f"{kind} {json.dumps(d, sort_keys=True)}"
