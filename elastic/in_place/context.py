@@ -10,7 +10,6 @@ joins heals from a peer (model, optimizer, schedule, step, sampler position) at 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -27,7 +26,13 @@ from elastic.events import EventKind
 from elastic.in_place.abort import StepAbort
 from elastic.in_place.buckets import GradientBuckets
 from elastic.in_place.members import quorum_members
-from elastic.in_place.steps import QuorumChange, Timeline, loss_weight, participant_indices
+from elastic.in_place.steps import (
+    QuorumChange,
+    Timeline,
+    loss_weight,
+    participant_indices,
+    quorum_events,
+)
 from elastic.train import mlflow_log
 from elastic.train.context import (
     LoopSettings,
@@ -245,16 +250,8 @@ class InPlaceContext(TrainContext):
             supervisor.replica_trained.remote(self.worker.config.attempt, self.replica)
 
     def _announce(self, change: QuorumChange) -> None:
-        """The job's events for a change of the quorum: a loss (or a drain), a join, and a
-        resize when the size changed. A lost replica replaced in the same change is a loss
-        and a join at the same size."""
-        if change.kind != "drain":  # a drain is a resize, no loss
-            self.worker.emit(change.kind, {"kind": change.kind, **change.fields()})
-        if change.kind == EventKind.WORKER_LOST and change.joined:
-            joined = dataclasses.replace(change, kind=EventKind.JOINED)
-            self.worker.emit(EventKind.JOINED, {"kind": EventKind.JOINED, **joined.fields()})
-        if change.from_world != change.to_world:
-            self.worker.emit(EventKind.RESIZED, {"kind": EventKind.RESIZED, **change.fields()})
+        for kind, data in quorum_events(change):
+            self.worker.emit(kind, data)
 
     def _leave(self) -> None:
         if self.save_on_leave and self.worker.rank == 0:

@@ -6,11 +6,13 @@ No torch, no Ray, no torchft: unit-tested in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from elastic.events import EventKind
 from elastic.train.sampling import SamplerPosition, share
 
 
@@ -77,6 +79,22 @@ class QuorumChange:
             else round(self.recovery_seconds, 4),
             "in_place": True,
         }
+
+
+def quorum_events(change: QuorumChange) -> list[tuple[EventKind, dict[str, Any]]]:
+    """The job's events for a change of the quorum, in order: a loss (a drain is no loss, only
+    a resize), a join, and a resize when the size changed. A lost replica replaced in the
+    same change is a loss and a join at the same size."""
+    events: list[tuple[EventKind, dict[str, Any]]] = []
+    if change.kind != "drain":
+        kind = EventKind(change.kind)
+        events.append((kind, {"kind": kind, **change.fields()}))
+    if change.kind == EventKind.WORKER_LOST and change.joined:
+        joined = dataclasses.replace(change, kind=EventKind.JOINED)
+        events.append((EventKind.JOINED, {"kind": EventKind.JOINED, **joined.fields()}))
+    if change.from_world != change.to_world:
+        events.append((EventKind.RESIZED, {"kind": EventKind.RESIZED, **change.fields()}))
+    return events
 
 
 class Timeline:

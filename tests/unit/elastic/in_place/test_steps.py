@@ -8,6 +8,7 @@ from elastic.in_place.steps import (
     Timeline,
     loss_weight,
     participant_indices,
+    quorum_events,
     step_positions,
 )
 from elastic.train.sampling import SamplerPosition, epoch_permutation
@@ -105,3 +106,60 @@ def test_members_name_who_left_and_who_joined() -> None:
     shrunk = t.committed(5, 2, now=2.2)
     assert shrunk is not None and shrunk.kind == "worker_lost" and shrunk.left == []
     assert "replicas" not in shrunk.fields()
+
+
+Told = tuple[str, str, object, object]  # (event kind, its data's kind, replicas, reason)
+
+
+def kinds_and_replicas(
+    t: Timeline, *commit: tuple[int, int, float, frozenset[int]]
+) -> list[list[Told]]:
+    """The events each quorum change of ``commit`` (step, world, time, members) is told as."""
+    out = []
+    for step, world, now, members in commit:
+        change = t.committed(step, world, now, members)
+        if change is not None:
+            out.append(
+                [
+                    (k, d["kind"], d.get("replicas"), d.get("reason"))
+                    for k, d in quorum_events(change)
+                ]
+            )
+    return out
+
+
+def test_a_quorum_change_is_told_as_the_job_s_events_a_loss_a_join_and_a_resize() -> None:
+    t = Timeline()
+    events = kinds_and_replicas(
+        t,
+        (1, 3, 0.0, frozenset({0, 1, 2})),
+        (2, 2, 1.0, frozenset({0, 2})),  # replica 1 lost: a loss and a resize
+        (3, 3, 2.0, frozenset({0, 2, 3})),  # replica 3 joined: a join and a resize
+    )
+    assert events == [
+        [("worker_lost", "worker_lost", [1], None), ("resized", "resized", [1], None)],
+        [("joined", "joined", [3], None), ("resized", "resized", [3], None)],
+    ]
+
+
+def test_a_lost_replica_replaced_at_once_is_a_loss_and_a_join_with_no_resize() -> None:
+    t = Timeline()
+    events = kinds_and_replicas(t, (20, 2, 5.0, frozenset({1, 2})), (22, 2, 5.9, frozenset({2, 3})))
+    assert events == [[("worker_lost", "worker_lost", [1], None), ("joined", "joined", [3], None)]]
+
+
+def test_a_drain_is_only_a_resize_that_says_so() -> None:
+    t = Timeline()
+    t.committed(1, 3, 0.0, frozenset({0, 1, 2}))
+    t.expect_drain()
+    change = t.committed(2, 2, 1.0, frozenset({0, 1}))
+    assert change is not None
+    ((kind, data),) = quorum_events(change)
+    assert (kind, data["reason"], data["replicas"], data["from_world"], data["to_world"]) == (
+        "resized",
+        "drain",
+        [2],
+        3,
+        2,
+    )
+    assert data["in_place"] is True and data["steps_redone"] == 0
