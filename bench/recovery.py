@@ -16,6 +16,11 @@ turns those records into every row, so every side is measured the same way. For 
 records are the job's own metrics events and its sample audit; ours also shows the job's
 own figures (recovery_seconds, pause_seconds) as its events report them.
 
+After the table, ``bench/recovery_plot.py`` draws the runs (``--plot``, a PNG,
+docs/img/recovery.png unless told otherwise; ``--plot ''`` draws nothing): a panel per
+side, its optimizer steps against the seconds since the kill in the run of the side's
+median recovery, with the steps thrown away or redone and the world size of each.
+
     .venv/bin/python -m bench.recovery --repeat 3
 """
 
@@ -50,7 +55,7 @@ from bench.recovery_ray import (
     run_ray_torchft,
     run_stock,
 )
-from bench.recovery_records import StepRecord, summarize
+from bench.recovery_records import HEADERS, SIDES, StepRecord, summarize
 from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
 
 ENDED = ("succeeded", "failed", "cancelled")
@@ -210,14 +215,6 @@ def run_torchrun_side(work: str) -> Run:
     return run_torchrun(work, STEPS, KILL_AT_STEP, GROW_AT_STEP, BATCH, EVERY)
 
 
-SIDES = ["stock", "ray_torchft", "torchrun", "restart", "in_place"]
-HEADERS = {
-    "stock": "stock Ray Train",
-    "ray_torchft": "Ray Train + torchft",
-    "torchrun": "torchrun elastic",
-    "restart": "ours, restart",
-    "in_place": "ours, in_place",
-}
 ROWS = [
     ("kill to first step at the smaller size (s)", "recovery_s", "{:.2f}"),
     ("supervisor killed to its successor's word (s)", "supervisor_back_s", "{:.2f}"),
@@ -297,6 +294,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each side (>= 3)")
     parser.add_argument("--sides", default=",".join(SIDES), help="a comma-separated subset")
+    parser.add_argument(
+        "--plot",
+        default="docs/img/recovery.png",
+        help="the PNG of the runs' steps around the kill ('' for none)",
+    )
     args = parser.parse_args()
     sides = [s for s in args.sides.split(",") if s]
     unknown = set(sides) - set(SIDES)
@@ -314,12 +316,15 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="etrain-bench-")
     print(f"each run's step records: {work}/<side>-<repetition>/records.json", flush=True)
     results: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    record_files: dict[str, list[Path]] = {side: [] for side in sides}
     for rep in range(args.repeat):
         # Each side takes each place in the order in turn.
         shift = rep % len(sides)
         for side in sides[shift:] + sides[:shift]:
-            run = run_side(side, cluster, nodes, os.path.join(work, f"{side}-{rep}"))
+            where = os.path.join(work, f"{side}-{rep}")
+            run = run_side(side, cluster, nodes, where)
             results[side].append(run)
+            record_files[side].append(Path(where, "records.json"))
             print(f"repetition {rep + 1}, {side}: {run}", flush=True)
             fresh_nodes(cluster, nodes)
 
@@ -329,6 +334,12 @@ def main() -> None:
     print_table({HEADERS[side]: results[side] for side in sides})
     ray.shutdown()
     cluster.shutdown()
+    if args.plot:
+        # Imported here: matplotlib is only needed for the picture.
+        from bench.recovery_plot import plot
+
+        plot(record_files, Path(args.plot))
+        print(f"\nplot: {args.plot}")
 
 
 if __name__ == "__main__":

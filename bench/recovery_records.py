@@ -10,6 +10,17 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+# The sides of bench.recovery in its order, and their column headers; here, away from Ray,
+# so the plot of their records (bench/recovery_plot.py) starts without importing it.
+SIDES = ["stock", "ray_torchft", "torchrun", "restart", "in_place"]
+HEADERS = {
+    "stock": "stock Ray Train",
+    "ray_torchft": "Ray Train + torchft",
+    "torchrun": "torchrun elastic",
+    "restart": "ours, restart",
+    "in_place": "ours, in_place",
+}
+
 
 @dataclass(frozen=True)
 class StepRecord:
