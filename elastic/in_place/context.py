@@ -92,6 +92,8 @@ class InPlaceContext(TrainContext):
         self._logs_open = False
         self._told_trained = False
         self._buckets: GradientBuckets | None = None  # built at the first step
+        self._last_report: dict[str, Any] | None = None
+        self._reporter = False  # whether it was the quorum's rank 0 at its last report
 
     @property
     def participants(self) -> int:
@@ -353,29 +355,34 @@ class InPlaceContext(TrainContext):
         self._committed = True
 
     def _report(self, last_step: int, samples_per_s: float | None) -> bool:
-        # In place, a drain is not acted on (the quorum goes on without the node).
-        if self.worker.rank != 0:
-            self._extra_metrics = {}
-            return False
+        """The quorum's rank 0 reports the step. Every replica builds the report, since the
+        quorum's totals are the same on all: one that becomes the reporter sends the previous
+        report again first, as its reporter may have died with it in flight (the supervisor
+        drops a step it already has). In place a drain is not acted on here (the quorum goes
+        on without the node)."""
         assert self.scheduler is not None
         totals, global_batch = self._totals, self._step_global_batch
-        self.worker.emit(
-            EventKind.METRICS,
-            {
-                "step": self.step,
-                "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,
-                "loss": float(totals[0]) / global_batch,
-                "accuracy": float(totals[1]) / global_batch,
-                "samples_per_s": samples_per_s,
-                "learning_rate": self.scheduler.get_last_lr()[0],
-                "world_size": self._participants,
-                "total_steps": last_step,
-                "completed_step": self.step,
-                "longest_pause_s": round(self.timeline.longest_pause, 4),
-                **self._extra_metrics,
-            },
-        )
+        report = {
+            "step": self.step,
+            "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,
+            "loss": float(totals[0]) / global_batch,
+            "accuracy": float(totals[1]) / global_batch,
+            "samples_per_s": samples_per_s,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "world_size": self._participants,
+            "total_steps": last_step,
+            "completed_step": self.step,
+            "longest_pause_s": round(self.timeline.longest_pause, 4),
+            **self._extra_metrics,
+        }
         self._extra_metrics = {}
+        previous, self._last_report = self._last_report, report
+        was_reporter, self._reporter = self._reporter, self.worker.rank == 0
+        if not self._reporter:
+            return False
+        if not was_reporter and previous is not None:
+            self.worker.emit(EventKind.METRICS, previous)
+        self.worker.emit(EventKind.METRICS, report)
         return False
 
 

@@ -3,10 +3,13 @@ that spans attempts after a failure: plain data, no Ray."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from elastic.cluster.scheduling import Placement
+
+REPORT_WINDOW = 64
 
 
 class EndCause(StrEnum):
@@ -51,6 +54,10 @@ class Attempt:
     grow_reason: Placement | None = None  # the scheduler's word for a grow it allowed
     paused_at: int | None = None
     ended: bool = False
+    # The steps whose metrics were logged lately. In place, a replica that becomes the
+    # quorum's reporter sends the last report again (its reporter may have died with it in
+    # flight); it is logged once. Duplicates come within a few steps: a window is enough.
+    recent_reports: deque[int] = field(default_factory=lambda: deque(maxlen=REPORT_WINDOW))
 
     def __post_init__(self) -> None:
         self.reached_step = self.completed_step = self.resume_step or 0
@@ -59,6 +66,13 @@ class Attempt:
     def saw_step(self, step: int, completed: int | None) -> None:
         self.reached_step = max(self.reached_step, step)
         self.completed_step = max(self.completed_step, step if completed is None else completed)
+
+    def first_report(self, step: int) -> bool:
+        """Whether the metrics of ``step`` are new to this attempt (then they are noted)."""
+        if step in self.recent_reports:
+            return False
+        self.recent_reports.append(step)
+        return True
 
     def saw_failure(self, at: float) -> None:
         self.first_signal_at = at if self.first_signal_at is None else min(self.first_signal_at, at)

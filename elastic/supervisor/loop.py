@@ -677,6 +677,8 @@ class JobLoop:
                 current.saw_step(int(completed), int(completed))
             return
         if what == EventKind.METRICS:
+            if not current.first_report(int(data.get("step", 0))):
+                return  # sent again by a replica that became the reporter: logged already
             done = None if completed is None else int(completed)
             rate, world = data.get("samples_per_s"), data.get("world_size")
             # An attempt's first report times its first step, which also builds what later

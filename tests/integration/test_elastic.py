@@ -136,7 +136,15 @@ def wait_until(api: httpx.Client, job_id: str, test: Any, timeout: float, what: 
     except AssertionError as e:  # where the job was when the wait gave up says why
         job = last.get("job", {})
         seen = {k: job.get(k) for k in ("state", "world_size", "step", "message")}
-        raise AssertionError(f"{e}; the job: {seen}") from None
+        raise AssertionError(f"{e}; the job: {seen}; its story: {story(api, job_id)}") from None
+
+
+STORY = ("state", "attempt_started", "worker_lost", "resized", "restored", "scheduled")
+
+
+def story(api: httpx.Client, job_id: str) -> list[tuple[int, str, dict[str, Any]]]:
+    """The job's events that tell what happened to it, without its metrics and logs."""
+    return [(e["seq"], e["kind"], e["data"]) for e in events(api, job_id) if e["kind"] in STORY]
 
 
 def final_state(api: httpx.Client, job_id: str, root: Path) -> dict[str, torch.Tensor]:

@@ -1082,6 +1082,33 @@ def test_in_place_the_scheduler_resizes_the_running_replicas() -> None:
     run(body)
 
 
+def test_a_step_reported_again_by_a_new_reporter_is_logged_once() -> None:
+    """In place, a replica that becomes the quorum's reporter sends the last report again
+    (the reporter before it may have died with it in flight): a step already logged is
+    dropped, one that was lost is logged, and a new attempt starts with none seen."""
+
+    async def body() -> None:
+        h = Harness(FakeCluster(3))
+        h.start()
+        await h.workers_start(1, step=1)
+
+        def report(sender: str, n: int, step: int) -> None:
+            data = {"attempt": 1, "step": step, "world_size": 3}
+            h.loop.record("metrics", data, sender=sender, n=n)
+
+        report("replica-0", 0, 2)
+        report("replica-0", 1, 3)
+        report("replica-1", 0, 3)  # replica 1 took over after step 3 had reached the loop
+        report("replica-1", 1, 4)
+        report("replica-2", 0, 5)  # replica 2 took over; replica 1's step 5 was lost
+        report("replica-2", 1, 6)
+        assert [d["step"] for d in h.of("metrics")] == [1, 2, 3, 4, 5, 6]
+        h.loop.cancel("done")
+        await h.finish()
+
+    run(body)
+
+
 def test_a_workers_news_that_ray_delivers_swapped_is_logged_in_the_order_it_was_sent() -> None:
     async def body() -> None:
         h = Harness(FakeCluster(2))
