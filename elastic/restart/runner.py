@@ -53,13 +53,12 @@ SETTLE_S = 5.0
 # From an attempt's first failure, the workers still running are asked in rounds,
 # PING_EVERY_S apart, whether their process answers, until their runs end: a second node can
 # die a moment after the first (one rack, one spot pool), after its worker answered the first
-# round. A live worker's second thread answers in milliseconds, so one that has not answered
-# within ANSWER_FACTOR times the slowest answer seen (at least PING_MIN_S) is counted dead
-# (its node lost) and killed; with no answer to compare with, PING_S. One whose run did not
-# end within SETTLE_S is asked again, and killed whatever it answers.
+# round. One that has not answered a round within PING_S is counted dead (its node lost)
+# and killed. A live worker's second thread answers in milliseconds when the machine is
+# quiet, but a busy one can hold it for most of a second: a shorter verdict killed live
+# survivors, and the job restarted smaller than it had to. One whose run did not end within
+# SETTLE_S is asked again, and killed whatever it answers.
 PING_S = 1.5
-PING_MIN_S = 0.6
-ANSWER_FACTOR = 4.0
 PING_EVERY_S = 0.1
 # After the supervisor stopped an attempt (Ray's membership lost one of its nodes, which
 # can come before the survivors' own collective errors on a busy machine), how long the
@@ -121,7 +120,6 @@ class PingRounds:
     """The rounds of pings after an attempt's failure (see PING_EVERY_S)."""
 
     sent_at: float | None = None  # monotonic: the current round's
-    answers: list[float] = field(default_factory=list)  # seconds each answer took
 
     def due(self, now: float, pending: bool) -> bool:
         return not pending and (self.sent_at is None or now >= self.sent_at + PING_EVERY_S)
@@ -129,16 +127,10 @@ class PingRounds:
     def sent(self, now: float) -> None:
         self.sent_at = now
 
-    def answered(self, now: float) -> None:
-        assert self.sent_at is not None
-        self.answers.append(now - self.sent_at)
-
     def dead_after(self) -> float:
         """When a ping of the current round still unanswered means its worker is dead."""
         assert self.sent_at is not None
-        if not self.answers:
-            return self.sent_at + PING_S
-        return self.sent_at + min(PING_S, max(PING_MIN_S, ANSWER_FACTOR * max(self.answers)))
+        return self.sent_at + PING_S
 
     def next_wake(self, pending: bool) -> float:
         assert self.sent_at is not None
@@ -390,7 +382,6 @@ class WarmPoolRunner:
                     ping.cancel()
                 elif ping.done() and ping.exception() is None:
                     del pings[rank]  # alive: its run ends by itself, within SETTLE_S
-                    rounds.answered(time.monotonic())
                 elif ping.done() or time.monotonic() >= rounds.dead_after():
                     del pings[rank]
                     ping.cancel()
