@@ -37,6 +37,7 @@ from typing import Any
 
 import ray
 
+from elastic.restart.node_probe import NodeAnswer, NodeProbe
 from elastic.restart.worker import WarmWorker
 from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.runner import AttemptSpec, RunningAttempt, placement
@@ -50,16 +51,19 @@ log = logging.getLogger(__name__)
 # other workers' runs may take to end: a survivor's loop raises at its next collective, and
 # the call to a worker on a dead node fails once Ray gives up on its connection.
 SETTLE_S = 5.0
-# From an attempt's first failure, the workers still running are asked in rounds,
-# PING_EVERY_S apart, whether their process answers, until their runs end: a second node can
-# die a moment after the first (one rack, one spot pool), after its worker answered the first
-# round. One that has not answered a round within PING_S is counted dead (its node lost)
-# and killed. A live worker's second thread answers in milliseconds when the machine is
-# quiet, but a busy one can hold it for most of a second: a shorter verdict killed live
-# survivors, and the job restarted smaller than it had to. One whose run did not end within
-# SETTLE_S is asked again, and killed whatever it answers.
-PING_S = 1.5
+# From an attempt's first failure (or the supervisor's stop), each worker still running is
+# pinged, PING_EVERY_S after its last answer, until its run ends: a second node can die a
+# moment after the first (one rack, one spot pool), after its worker answered a first ping.
+# A live worker's second thread answers in milliseconds when the machine is quiet, but a busy
+# machine can hold it for a second or more, so silence alone is no death: a ping silent for
+# ASK_NODE_S has its node asked (``node_probe``). A node that refuses has lost its raylet,
+# and the worker is dead at once; one that does not answer at all (cut off, powered off)
+# makes the worker dead once its ping was silent for PING_S; one that answers holds a live,
+# slow worker, which is pinged again. One whose run did not end within SETTLE_S is asked
+# again, and killed whatever it answers.
 PING_EVERY_S = 0.1
+ASK_NODE_S = 0.2
+PING_S = 1.5
 # After the supervisor stopped an attempt (Ray's membership lost one of its nodes, which
 # can come before the survivors' own collective errors on a busy machine), how long the
 # workers still running may take to end by themselves and stay warm before they are killed.
@@ -115,26 +119,12 @@ def choose_warm(
     return usable[:size], [m for m in idle if m.node in avoid] + usable[size:]
 
 
-@dataclass
-class PingRounds:
-    """The rounds of pings after an attempt's failure (see PING_EVERY_S)."""
-
-    sent_at: float | None = None  # monotonic: the current round's
-
-    def due(self, now: float, pending: bool) -> bool:
-        return not pending and (self.sent_at is None or now >= self.sent_at + PING_EVERY_S)
-
-    def sent(self, now: float) -> None:
-        self.sent_at = now
-
-    def dead_after(self) -> float:
-        """When a ping of the current round still unanswered means its worker is dead."""
-        assert self.sent_at is not None
-        return self.sent_at + PING_S
-
-    def next_wake(self, pending: bool) -> float:
-        assert self.sent_at is not None
-        return self.dead_after() if pending else self.sent_at + PING_EVERY_S
+def dead_by(node: NodeAnswer | None, silent_s: float) -> bool:
+    """Whether a worker whose ping has been silent ``silent_s`` is dead, by its node's answer
+    (None: not asked yet)."""
+    if node is NodeAnswer.GONE:
+        return True
+    return node is NodeAnswer.SILENT and silent_s >= PING_S
 
 
 def settle_deadline(failed_at: float | None, settle_s: float = SETTLE_S) -> float | None:
@@ -157,6 +147,7 @@ class WarmPoolRunner:
         self.stopped = asyncio.Event()
         self.ending: Ending | None = None  # the running attempt's
         self.signalled = asyncio.Event()  # a worker of it reported a failure
+        self.probe = NodeProbe()
 
     # -- what the loop asks ------------------------------------------------------------------
 
@@ -342,51 +333,46 @@ class WarmPoolRunner:
     ) -> None:
         """Until every run ended, or the bound after a failure or a stop passed; ``wakes``
         (a stop, a worker's failure signal) end a wait, once each."""
-        pings: dict[int, asyncio.Future[Any]] = {}
-        rounds = PingRounds()
+        lookouts: dict[asyncio.Future[Any], int] = {}
         abandoned = False
-        while runs:
-            if not abandoned and (ending.failed_at is not None or self.stopping):
-                # The attempt is over: the runs still going leave the collectives they wait
-                # in, rather than wait on a peer that failed and left.
-                abandoned = True
-                for rank in runs.values():
-                    with contextlib.suppress(Exception):
-                        self.busy[rank].actor.abandon.remote(attempt)
-            pinging = ending.failed_at is not None and not self.stopping
-            if pinging and rounds.due(time.monotonic(), bool(pings)):
-                # Is each worker still running alive? A dead one's call may fail only once
-                # Ray learns of its node's death (seconds); its ping gets no answer at once.
-                rounds.sent(time.monotonic())
-                pings = {
-                    rank: asyncio.ensure_future(_awaited(self.busy[rank].actor.ping.remote()))
-                    for rank in runs.values()
-                }
-            deadlines = [
-                d for d in (settle_deadline(ending.failed_at), self.stop_deadline) if d is not None
-            ]
-            if pinging and rounds.sent_at is not None:
-                deadlines.append(rounds.next_wake(bool(pings)))
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-            waiting = {*runs, *pings.values()} | {w for w in wakes if not w.done()}
-            done, _ = await asyncio.wait(
-                waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            for fut in [f for f in runs if f in done]:
-                rank = runs.pop(fut)
-                pings.pop(rank, None)
-                self._ended(rank, fut, ending)
-            for rank, ping in list(pings.items()):
-                if self.stopping:  # the supervisor ended the attempt: no one is counted dead
-                    del pings[rank]
-                    ping.cancel()
-                elif ping.done() and ping.exception() is None:
-                    del pings[rank]  # alive: its run ends by itself, within SETTLE_S
-                elif ping.done() or time.monotonic() >= rounds.dead_after():
-                    del pings[rank]
-                    ping.cancel()
+        try:
+            while runs:
+                over = ending.failed_at is not None or self.stopping
+                if over and not abandoned:
+                    # The attempt is over: the runs still going leave the collectives they
+                    # wait in, rather than wait on a peer that failed and left.
+                    abandoned = True
+                    for rank in runs.values():
+                        with contextlib.suppress(Exception):
+                            self.busy[rank].actor.abandon.remote(attempt)
+                    if not self.closed:
+                        lookouts = {
+                            asyncio.ensure_future(self._lookout(rank)): rank
+                            for rank in runs.values()
+                        }
+                deadlines = [
+                    d
+                    for d in (settle_deadline(ending.failed_at), self.stop_deadline)
+                    if d is not None
+                ]
+                timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+                waiting = {*runs, *lookouts} | {w for w in wakes if not w.done()}
+                done, _ = await asyncio.wait(
+                    waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                for fut in [f for f in runs if f in done]:
+                    rank = runs.pop(fut)
+                    self._ended(rank, fut, ending)
+                    for lookout, r in list(lookouts.items()):
+                        if r == rank:
+                            del lookouts[lookout]
+                            lookout.cancel()
+                for lookout in [f for f in lookouts if f in done]:
+                    rank = lookouts.pop(lookout)
+                    if lookout.cancelled() or lookout.exception() is not None or self.closed:
+                        continue
                     log.warning(
-                        "worker %s (pid %s) does not answer after the attempt's failure: "
+                        "worker %s (pid %s) does not answer, nor does its node's raylet: "
                         "counted dead",
                         rank,
                         self.busy[rank].pid,
@@ -397,11 +383,40 @@ class WarmPoolRunner:
                             del runs[fut]
                             fut.cancel()
                     self._kill(self.busy.pop(rank))
-            deadline = settle_deadline(ending.failed_at)
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
-                break
+                deadline = settle_deadline(ending.failed_at)
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
+                    break
+        finally:
+            for lookout in lookouts:
+                lookout.cancel()
+
+    async def _lookout(self, rank: int) -> None:
+        """Returns once the worker of ``rank`` is found dead (see PING_EVERY_S); runs until
+        cancelled while it answers."""
+        member = self.busy[rank]
+        while True:
+            sent = time.monotonic()
+            ping = asyncio.ensure_future(_awaited(member.actor.ping.remote()))
+            try:
+                await asyncio.wait({ping}, timeout=ASK_NODE_S)
+                node: NodeAnswer | None = None
+                asked = 0
+                while not ping.done():
+                    if node is not NodeAnswer.SILENT:  # silent once is enough (a handshake's wait)
+                        node = await self.probe.ask(member.node) if member.node else NodeAnswer.GONE
+                        asked += 1
+                    if dead_by(node, time.monotonic() - sent):
+                        return
+                    if node is NodeAnswer.UP and asked > 1:
+                        break  # there when asked twice, PING_S apart: alive, only slow
+                    await asyncio.wait({ping}, timeout=max(0.0, sent + PING_S - time.monotonic()))
+                if ping.done() and ping.exception() is not None:
+                    return  # the actor is gone: Ray said so
+            finally:
+                ping.cancel()
+            await asyncio.sleep(PING_EVERY_S)
 
     def _ended(self, rank: int, fut: asyncio.Future[Any], ending: Ending) -> None:
         member = self.busy[rank]

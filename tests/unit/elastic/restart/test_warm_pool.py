@@ -7,18 +7,19 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import pytest
 
 from elastic.restart import runner as warm_pool
 from elastic.restart import worker as warm_worker
+from elastic.restart.node_probe import NodeAnswer, NodeProbe
 from elastic.restart.runner import (
     Ending,
     Member,
-    PingRounds,
     WarmPoolRunner,
     choose_warm,
+    dead_by,
     settle_deadline,
 )
 from elastic.restart.worker import WarmWorker
@@ -109,89 +110,177 @@ class PingedActor:
 ATTEMPT = 7
 
 
+class Nodes:
+    """What each node's kernel answers to a handshake with its raylet, as the test sets it;
+    and how often it was asked."""
+
+    def __init__(self) -> None:
+        self.answers = {"n0": NodeAnswer.UP, "n1": NodeAnswer.UP}
+        self.asked: list[str] = []
+
+    def probe(self) -> NodeProbe:
+        async def shake(host: str, port: int) -> NodeAnswer:
+            self.asked.append(host)
+            return self.answers[host]
+
+        return NodeProbe(lambda: {n: (n, 1) for n in self.answers}, shake)
+
+
 def watching(
-    rank0: PingedActor, rank1: PingedActor, killed: list[Member]
+    rank0: PingedActor, rank1: PingedActor, killed: list[Member], nodes: Nodes | None = None
 ) -> tuple[WarmPoolRunner, Ending, asyncio.Future[None]]:
-    """A runner watching an attempt's two runs, on these actors, neither ended yet; the
-    workers it kills (Ray's part) go to ``killed``."""
+    """A runner watching an attempt's two runs, on these actors (on nodes n0 and n1), neither
+    ended yet; the workers it kills (Ray's part) go to ``killed``."""
     runner = WarmPoolRunner({"resources_per_worker": {"CPU": 1.0}}, lambda spec: {})
     runner._kill = killed.append  # type: ignore[method-assign]
+    runner.probe = (nodes or Nodes()).probe()
     runner.busy = {0: Member(rank0, None, "n0", 10), 1: Member(rank1, None, "n1", 11)}
     ending = runner.ending = Ending()
     loop = asyncio.get_running_loop()
     runs: dict[asyncio.Future[object], int] = {loop.create_future(): 0, loop.create_future(): 1}
-    signalled = asyncio.ensure_future(runner.signalled.wait())
-    watch = runner._watch_runs(runs, {signalled}, ending, ATTEMPT)
+    wakes = {asyncio.ensure_future(runner.signalled.wait())}
+    wakes.add(asyncio.ensure_future(runner.stopped.wait()))
+    watch = runner._watch_runs(runs, wakes, ending, ATTEMPT)
     return runner, ending, asyncio.ensure_future(watch)
 
 
-def test_a_worker_s_failure_signal_starts_the_pings_before_any_run_returns(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def until(check: Callable[[], bool], within_s: float = 5.0) -> float:
+    """Seconds until ``check`` holds (polled); fails past ``within_s``."""
+    began = time.monotonic()
+    while not check():
+        assert time.monotonic() - began < within_s, "not within the bound"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - began
+
+
+def test_a_worker_s_failure_signal_starts_the_pings_before_any_run_returns() -> None:
     """A survivor's run returns only after its last checkpoint write and log lines (over a
     second on a busy machine): its failure signal, which comes first, starts the search for
-    the dead ones."""
-    monkeypatch.setattr(warm_pool, "PING_S", 0.05)
+    the dead ones. A worker whose ping is silent and whose node refuses is dead at once."""
 
     async def body() -> None:
         alive, gone = PingedActor(answers=True), PingedActor(answers=False)
         killed: list[Member] = []
-        runner, ending, watch = watching(alive, gone, killed)
+        nodes = Nodes()
+        nodes.answers["n1"] = NodeAnswer.GONE
+        runner, ending, watch = watching(alive, gone, killed, nodes)
         await asyncio.sleep(0.2)
         assert (alive.pings, gone.pings, ending.failed_at) == (0, 0, None)
         assert alive.abandon.calls == gone.abandon.calls == []
 
         runner.failure_signalled()
-        await asyncio.sleep(0.3)
+        found = await until(lambda: bool(ending.dead))
         assert ending.failed_at is not None
         # Both told at once to leave the collectives they wait in, once: the survivor's
         # may wait on a peer that failed and left, whose sockets stay open.
         assert alive.abandon.calls == gone.abandon.calls == [(ATTEMPT,)]
-        assert alive.pings >= 1 and gone.pings == 1  # the living are asked again each round
         assert ending.dead == {1} and list(runner.busy) == [0]  # rank 0 answered: it ends itself
-        assert [m.actor for m in killed] == [gone]
+        assert [m.actor for m in killed] == [gone] and gone.pings == 1
+        assert nodes.asked == ["n1"]  # the node of the silent one only
+        assert warm_pool.ASK_NODE_S <= found < warm_pool.PING_S
+        await asyncio.sleep(3 * warm_pool.PING_EVERY_S)
+        assert alive.pings >= 2  # the living are asked again
         assert not watch.done()  # waiting for rank 0's run, within SETTLE_S
         watch.cancel()
 
     asyncio.run(body())
 
 
-def test_pings_come_in_rounds_and_a_silence_of_ping_s_is_a_death() -> None:
-    rounds = PingRounds()
-    assert rounds.due(100.0, pending=False)
-    rounds.sent(100.0)
-    half = warm_pool.PING_EVERY_S / 2
-    assert not rounds.due(100.0 + half, pending=False)  # the next round waits PING_EVERY_S
-    assert rounds.dead_after() == 100.0 + warm_pool.PING_S
-    assert rounds.next_wake(pending=True) == rounds.dead_after()
-    assert rounds.next_wake(pending=False) == 100.0 + warm_pool.PING_EVERY_S
-    assert not rounds.due(100.0 + half, pending=False) and not rounds.due(102.0, pending=True)
-    assert rounds.due(100.0 + warm_pool.PING_EVERY_S, pending=False)
+def test_a_silent_ping_is_a_death_only_by_the_node_s_answer() -> None:
+    assert dead_by(NodeAnswer.GONE, 0.0)
+    assert not dead_by(NodeAnswer.UP, 0.0) and not dead_by(NodeAnswer.UP, 60.0)
+    assert not dead_by(NodeAnswer.SILENT, warm_pool.PING_S - 0.01)
+    assert dead_by(NodeAnswer.SILENT, warm_pool.PING_S)
+    assert not dead_by(None, 60.0)
 
 
-def test_a_worker_that_answered_and_then_died_is_found_by_the_next_round() -> None:
+def test_a_worker_that_answered_and_then_died_is_found_by_its_next_ping() -> None:
     """Two nodes of one rack lost 0.3 s apart: the second one's worker answers the first
-    round, then goes silent; the next round counts it dead, long before its run's call fails
-    (which waits for Ray to learn of the node's death)."""
+    pings, then goes silent with its node; its next ping finds it, long before its run's call
+    fails (which waits for Ray to learn of the node's death)."""
 
     async def body() -> None:
         survivor, second = PingedActor(answers=True), PingedActor(answers=True)
         killed: list[Member] = []
-        runner, ending, watch = watching(survivor, second, killed)
-        began = time.monotonic()
+        nodes = Nodes()
+        runner, ending, watch = watching(survivor, second, killed, nodes)
         runner.failure_signalled()
-        await asyncio.sleep(warm_pool.PING_EVERY_S / 2)  # the first round is answered
-        assert (survivor.pings, second.pings, ending.dead) == (1, 1, set())
-        second.answers = False  # its node goes now
-        while 1 not in ending.dead and time.monotonic() - began < 5:
-            await asyncio.sleep(0.02)
-        found = time.monotonic() - began
+        await until(lambda: second.pings >= 2)  # answered, and asked again
+        assert ending.dead == set() and nodes.asked == []
+        second.answers, nodes.answers["n1"] = False, NodeAnswer.GONE  # its node goes now
+        gone_at = time.monotonic()
+        await until(lambda: bool(ending.dead))
+        found = time.monotonic() - gone_at
         assert ending.dead == {1} and list(runner.busy) == [0]
         assert [m.actor for m in killed] == [second]
-        assert second.pings == 2 and survivor.pings >= 2
         assert not watch.done()  # the survivor's run ends by itself
-        # The next round PING_EVERY_S after the first, silent for PING_S.
-        assert warm_pool.PING_EVERY_S + warm_pool.PING_S <= found < warm_pool.PING_S + 1.0
+        # At most one more ping PING_EVERY_S on, silent for ASK_NODE_S, and the node gone.
+        bound = warm_pool.PING_EVERY_S + warm_pool.ASK_NODE_S
+        assert warm_pool.ASK_NODE_S <= found < bound + 0.3
+        watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_slow_worker_on_a_node_that_answers_is_not_counted_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A busy machine holds a live worker's answer past PING_S: its node completes the
+    handshake, asked twice PING_S apart, so it is pinged again, never counted dead."""
+    monkeypatch.setattr(warm_pool, "PING_S", 0.3)
+
+    async def body() -> None:
+        survivor, slow = PingedActor(answers=True), PingedActor(answers=False)
+        killed: list[Member] = []
+        nodes = Nodes()
+        runner, ending, watch = watching(survivor, slow, killed, nodes)
+        runner.failure_signalled()
+        await until(lambda: slow.pings >= 3)
+        assert ending.dead == set() and killed == [] and set(runner.busy) == {0, 1}
+        assert nodes.asked[:4] == ["n1"] * 4  # twice a ping
+        watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_worker_on_a_node_that_does_not_answer_is_dead_after_ping_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node cut off (or powered off) answers nothing: its worker is dead once its ping was
+    silent for PING_S, the node asked once."""
+    monkeypatch.setattr(warm_pool, "PING_S", 0.5)
+
+    async def body() -> None:
+        survivor, cut = PingedActor(answers=True), PingedActor(answers=False)
+        killed: list[Member] = []
+        nodes = Nodes()
+        nodes.answers["n1"] = NodeAnswer.SILENT
+        runner, ending, watch = watching(survivor, cut, killed, nodes)
+        runner.failure_signalled()
+        found = await until(lambda: bool(ending.dead))
+        assert ending.dead == {1} and nodes.asked == ["n1"] and cut.pings == 1
+        assert 0.5 <= found < 0.8
+        watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_after_the_supervisor_s_stop_a_dead_worker_is_still_found() -> None:
+    """Ray's membership saw a first node leave and the supervisor stopped the attempt before
+    any worker failed: the runs still going are pinged, and a second lost node's worker is
+    counted dead, so the attempt's end names it too."""
+
+    async def body() -> None:
+        survivor, second = PingedActor(answers=True), PingedActor(answers=False)
+        killed: list[Member] = []
+        nodes = Nodes()
+        nodes.answers["n1"] = NodeAnswer.GONE
+        runner, ending, watch = watching(survivor, second, killed, nodes)
+        runner.stop()
+        await until(lambda: bool(ending.dead))
+        assert ending.failed_at is None and ending.dead == {1}
+        assert ending.outcome(stopped=True) == AttemptOutcome(None, [1])
+        assert survivor.abandon.calls == second.abandon.calls == [(ATTEMPT,)]
         watch.cancel()
 
     asyncio.run(body())
