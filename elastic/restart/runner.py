@@ -56,11 +56,11 @@ SETTLE_S = 5.0
 # moment after the first (one rack, one spot pool), after its worker answered a first ping.
 # A live worker's second thread answers in milliseconds when the machine is quiet, but a busy
 # machine can hold it for a second or more, so silence alone is no death: a ping silent for
-# ASK_NODE_S has its node asked (``node_probe``). A node that refuses has lost its raylet,
-# and the worker is dead at once; one that does not answer at all (cut off, powered off)
-# makes the worker dead once its ping was silent for PING_S; one that answers holds a live,
-# slow worker, which is pinged again. One whose run did not end within SETTLE_S is asked
-# again, and killed whatever it answers.
+# ASK_NODE_S has its node asked (``node_probe``), and asked again every ASK_NODE_S while
+# it answers. A node that refuses has lost its raylet, and the worker is dead at once; one
+# that does not answer at all (cut off, powered off) makes the worker dead once its ping was
+# silent for PING_S; one that answers all along holds a live, slow worker, pinged again.
+# One whose run did not end within SETTLE_S is asked again, and killed whatever it answers.
 PING_EVERY_S = 0.1
 ASK_NODE_S = 0.2
 PING_S = 1.5
@@ -402,16 +402,19 @@ class WarmPoolRunner:
             try:
                 await asyncio.wait({ping}, timeout=ASK_NODE_S)
                 node: NodeAnswer | None = None
-                asked = 0
                 while not ping.done():
                     if node is not NodeAnswer.SILENT:  # silent once is enough (a handshake's wait)
                         node = await self.probe.ask(member.node) if member.node else NodeAnswer.GONE
-                        asked += 1
-                    if dead_by(node, time.monotonic() - sent):
+                    silent_s = time.monotonic() - sent
+                    if dead_by(node, silent_s):
                         return
-                    if node is NodeAnswer.UP and asked > 1:
-                        break  # there when asked twice, PING_S apart: alive, only slow
-                    await asyncio.wait({ping}, timeout=max(0.0, sent + PING_S - time.monotonic()))
+                    if node is NodeAnswer.UP and silent_s >= PING_S:
+                        break  # its node there all along: alive, only slow
+                    # A node that answered is asked again soon: it may be dying right now
+                    # (its processes killed one by one).
+                    left_s = max(0.0, sent + PING_S - time.monotonic())
+                    wait_s = min(ASK_NODE_S, left_s) if node is NodeAnswer.UP else left_s
+                    await asyncio.wait({ping}, timeout=wait_s)
                 if ping.done() and ping.exception() is not None:
                     return  # the actor is gone: Ray said so
             finally:
