@@ -70,8 +70,15 @@ def describe(event: Event) -> str:
             parts.append(plural(d["world_size"], "worker"))
         return "metrics " + ", ".join(parts)
     if kind == EventKind.WORKER_LOST:
-        ranks = ", ".join(str(r) for r in d.get("ranks") or []) or "?"
-        text = f"worker lost: rank {ranks} of {plural(d.get('from_world'), 'worker')}"
+        # Restart mode names the ranks lost; in place, the replicas (its workers' own
+        # numbers, as a quorum's ranks change with each quorum).
+        if d.get("replicas"):
+            who = "replica " + ", ".join(str(r) for r in d["replicas"])
+        else:
+            who = "rank " + (", ".join(str(r) for r in d.get("ranks") or []) or "?")
+        text = f"worker lost: {who} of {plural(d.get('from_world'), 'worker')}"
+        if d.get("pause_seconds") is not None:
+            text += f", training paused {d['pause_seconds']:.2f} s"
         return text + (f" ({d['reason']})" if d.get("reason") else "")
     if kind in (EventKind.RESIZED, EventKind.RESTORED):
         head = (

@@ -372,8 +372,7 @@ class WarmPoolRunner:
                     if lookout.cancelled() or lookout.exception() is not None or self.closed:
                         continue
                     log.warning(
-                        "worker %s (pid %s) does not answer, nor does its node's raylet: "
-                        "counted dead",
+                        "worker %s (pid %s) is lost, with its node or its process: counted dead",
                         rank,
                         self.busy[rank].pid,
                     )

@@ -363,6 +363,11 @@ def test_the_client_reads_what_the_service_sends() -> None:
             "worker lost: rank 1 of 3 workers (node died)",
         ),
         (
+            "worker_lost",
+            {"replicas": [0, 2], "from_world": 3, "to_world": 1, "pause_seconds": 0.7712},
+            "worker lost: replica 0, 2 of 3 workers, training paused 0.77 s",
+        ),
+        (
             "resized",
             {"from_world": 3, "to_world": 2, "steps_redone": 4, "recovery_seconds": 15.24},
             "resized from 3 to 2 workers (4 steps redone, recovered in 15.2 s)",
