@@ -11,11 +11,13 @@ Sequence numbers stay contiguous, as the store requires.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 
 class EventKind(StrEnum):
@@ -39,6 +41,58 @@ class EventKind(StrEnum):
     # Sent by a worker whose collective failed, before it raises; the supervisor folds it
     # into the recovery's timing and does not log it on its own.
     FAILURE_SIGNAL = "failure_signal"
+
+
+@dataclass(frozen=True)
+class WorldChange:
+    """The data of an event that changes a job's world: a worker lost, a replica joined, a
+    resize, a checkpoint restored. Both modes produce the same fields; what a mode cannot
+    know is None (or empty), so a reader never asks which mode wrote it."""
+
+    KIND: ClassVar[EventKind]
+
+    from_world: int
+    to_world: int | None = None  # None: not known yet (the next attempt's size decides)
+    steps_redone: int | None = None
+    # From the first failure signal (or the pause) to the first step at the new size.
+    recovery_seconds: float | None = None
+    # Restart mode: from the first failure signal to the supervisor's knowing of it.
+    detection_seconds: float | None = None
+    # In place: the gap between the last commit before the change and the first after it.
+    pause_seconds: float | None = None
+    checkpoint_step: int | None = None  # the checkpoint a restart resumed from
+    step: int | None = None  # in place: the first step committed at the new size
+    attempts: int = 1  # attempts that ended on the way
+    in_place: bool = False  # the survivors trained on in the same attempt
+    nodes: tuple[str, ...] = ()  # the nodes lost, when known
+    ranks: tuple[int, ...] = ()  # restart mode: the ranks lost
+    replicas: tuple[int, ...] = ()  # in place: the replicas lost, or joined
+    reason: str | None = None  # why: the failure, "drain", or the scheduler's word
+    for_job: str | None = None  # the job the scheduler made room for
+
+    def data(self) -> dict[str, Any]:
+        """As the event log carries it (lists, not tuples: the same after a JSON trip)."""
+        fields = {
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in dataclasses.fields(self)
+        }
+        return {"kind": self.KIND, **fields}
+
+
+class WorkerLost(WorldChange):
+    KIND = EventKind.WORKER_LOST
+
+
+class Joined(WorldChange):
+    KIND = EventKind.JOINED
+
+
+class Resized(WorldChange):
+    KIND = EventKind.RESIZED
+
+
+class Restored(WorldChange):
+    KIND = EventKind.RESTORED
 
 
 DROPPABLE = frozenset({EventKind.LOG, EventKind.METRICS})

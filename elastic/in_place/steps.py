@@ -6,13 +6,12 @@ No torch, no Ray, no torchft: unit-tested in milliseconds.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from elastic.events import EventKind
+from elastic.events import EventKind, Joined, Resized, WorkerLost, WorldChange
 from elastic.train.sampling import SamplerPosition, share
 
 
@@ -63,22 +62,26 @@ class QuorumChange:
     left: list[int] = field(default_factory=list)  # the replicas gone, when known
     joined: list[int] = field(default_factory=list)  # the replicas new, when known
 
-    def fields(self) -> dict[str, Any]:
-        why = {"reason": "drain"} if self.kind == "drain" else {}
-        replicas = self.joined if self.kind == "joined" else self.left
-        return {
-            **why,
-            **({"replicas": replicas} if replicas else {}),
-            "step": self.step,
-            "from_world": self.from_world,
-            "to_world": self.to_world,
-            "steps_redone": self.steps_redone,
-            "pause_seconds": round(self.pause_seconds, 4),
-            "recovery_seconds": None
+    def as_event(self, kind: type[WorldChange]) -> WorldChange:
+        """This change as the data of an event of ``kind`` (see WorldChange): its replicas
+        are those that joined for a join, or for a resize that only grew; else those lost."""
+        joining = kind is Joined or self.kind == "joined"
+        return kind(
+            from_world=self.from_world,
+            to_world=self.to_world,
+            steps_redone=self.steps_redone,
+            recovery_seconds=None
             if self.recovery_seconds is None
             else round(self.recovery_seconds, 4),
-            "in_place": True,
-        }
+            pause_seconds=round(self.pause_seconds, 4),
+            step=self.step,
+            in_place=True,
+            replicas=tuple(self.joined if joining else self.left),
+            reason="drain" if self.kind == "drain" else None,
+        )
+
+
+_KINDS: dict[str, type[WorldChange]] = {"worker_lost": WorkerLost, "joined": Joined}
 
 
 def quorum_events(change: QuorumChange) -> list[tuple[EventKind, dict[str, Any]]]:
@@ -86,14 +89,13 @@ def quorum_events(change: QuorumChange) -> list[tuple[EventKind, dict[str, Any]]
     a resize), a join, and a resize when the size changed. A lost replica replaced in the
     same change is a loss and a join at the same size."""
     events: list[tuple[EventKind, dict[str, Any]]] = []
-    if change.kind != "drain":
-        kind = EventKind(change.kind)
-        events.append((kind, {"kind": kind, **change.fields()}))
+    first = _KINDS.get(change.kind)  # none for a drain
+    if first is not None:
+        events.append((first.KIND, change.as_event(first).data()))
     if change.kind == EventKind.WORKER_LOST and change.joined:
-        joined = dataclasses.replace(change, kind=EventKind.JOINED)
-        events.append((EventKind.JOINED, {"kind": EventKind.JOINED, **joined.fields()}))
+        events.append((EventKind.JOINED, change.as_event(Joined).data()))
     if change.from_world != change.to_world:
-        events.append((EventKind.RESIZED, {"kind": EventKind.RESIZED, **change.fields()}))
+        events.append((EventKind.RESIZED, change.as_event(Resized).data()))
     return events
 
 

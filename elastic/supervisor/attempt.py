@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from elastic.cluster.scheduling import Placement
+from elastic.events import WorldChange
 
 REPORT_WINDOW = 64
 
@@ -100,13 +102,18 @@ class Recovery:
     def steps_redone(self) -> int:
         return max(0, self.completed_step - (self.checkpoint_step or 0))
 
-    def fields(self, to_world: int | None, now: float | None) -> dict[str, object]:
-        return {
-            "from_world": self.from_world,
-            "to_world": to_world,
-            "checkpoint_step": self.checkpoint_step,
-            "steps_redone": self.steps_redone,
-            "detection_seconds": round(max(0.0, self.detected_at - self.failed_at), 3),
-            "recovery_seconds": None if now is None else round(now - self.failed_at, 3),
-            "attempts": self.attempts,
-        }
+    def as_event(
+        self, kind: type[WorldChange], to_world: int | None, now: float | None, **more: Any
+    ) -> WorldChange:
+        """The recovery so far as the data of an event of ``kind``; ``more``: the event's
+        own fields (the nodes lost, the reason)."""
+        return kind(
+            from_world=self.from_world,
+            to_world=to_world,
+            checkpoint_step=self.checkpoint_step,
+            steps_redone=self.steps_redone,
+            detection_seconds=round(max(0.0, self.detected_at - self.failed_at), 3),
+            recovery_seconds=None if now is None else round(now - self.failed_at, 3),
+            attempts=self.attempts,
+            **more,
+        )

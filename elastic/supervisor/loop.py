@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -24,7 +25,7 @@ from elastic.arrivals import InOrder
 from elastic.checkpoint.directory import CheckpointInfo
 from elastic.cluster.capacity import CapacitySource, Reservation, Snapshot
 from elastic.cluster.scheduling import Demand, Placement
-from elastic.events import EventKind, EventLog
+from elastic.events import EventKind, EventLog, Resized, Restored, WorkerLost
 from elastic.job_state import TERMINAL_STATES, JobState, check_transition
 from elastic.supervisor.attempt import Attempt, AttemptOutcome, EndCause, Recovery
 from elastic.supervisor.plan import SupervisorPlan
@@ -356,17 +357,13 @@ class JobLoop:
             self.recovery.attempts += 1
             self.recovery.completed_step = max(self.recovery.completed_step, attempt.completed_step)
         if lost:
-            self._emit(
-                EventKind.WORKER_LOST,
-                {
-                    "kind": EventKind.WORKER_LOST,
-                    **self.recovery.fields(None, None),
-                    "from_world": attempt.world_size,
-                    "nodes": sorted(lost),
-                    "ranks": sorted(r for r, n in attempt.worker_nodes.items() if n in lost),
-                    "reason": reason,
-                },
+            ranks = sorted(r for r, n in attempt.worker_nodes.items() if n in lost)
+            loss = self.recovery.as_event(
+                WorkerLost, None, None, nodes=tuple(sorted(lost)), ranks=tuple(ranks), reason=reason
             )
+            # This attempt's world: the recovery's may be an earlier attempt's.
+            loss = dataclasses.replace(loss, from_world=attempt.world_size)
+            self._emit(EventKind.WORKER_LOST, loss.data())
         decision = self.restarts.decide(cause, attempt.saved_checkpoint)
         if not decision.retry:
             await self._drop_reservation()
@@ -872,14 +869,15 @@ class JobLoop:
     def _complete_recovery(self, attempt: Attempt) -> None:
         r = self.recovery
         assert r is not None
-        fields = r.fields(attempt.world_size, self.clock())
+        now = self.clock()
         if r.kind not in ("grow", "drain", "shrink") and r.checkpoint_step is not None:
-            self._emit(EventKind.RESTORED, {"kind": EventKind.RESTORED, **fields})
+            self._emit(EventKind.RESTORED, r.as_event(Restored, attempt.world_size, now).data())
         if r.from_world != attempt.world_size:
             why: dict[str, Any] = {"reason": "drain"} if r.kind == "drain" else {}
             if r.decision is not None:  # the scheduler's word: for whom, or into what
                 why = {"reason": r.decision.reason, "for_job": r.decision.for_job}
-            self._emit(EventKind.RESIZED, {"kind": EventKind.RESIZED, **fields, **why})
+            resized = r.as_event(Resized, attempt.world_size, now, **why)
+            self._emit(EventKind.RESIZED, resized.data())
         self.recovery = None
 
     def _set_state(self, target: JobState, reason: str | None = None, **extra: Any) -> None:

@@ -1,9 +1,12 @@
 """The arithmetic of an in-place step: shares of the global batch over a quorum, the loss
 weight that makes the all-reduced sum the exact mean, and what a quorum change cost."""
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
 
+from elastic.events import Joined, WorkerLost, WorldChange
 from elastic.in_place.steps import (
     Timeline,
     loss_weight,
@@ -89,7 +92,7 @@ def test_a_lost_replica_replaced_in_the_same_quorum_change_is_a_loss_and_a_join(
     assert change is not None
     assert (change.kind, change.from_world, change.to_world) == ("worker_lost", 2, 2)
     assert (change.left, change.joined, change.steps_redone) == ([1], [3], 1)
-    assert change.fields()["replicas"] == [1]
+    assert change.as_event(WorkerLost).replicas == (1,)
     assert change.pause_seconds == pytest.approx(0.8)
 
 
@@ -100,12 +103,12 @@ def test_members_name_who_left_and_who_joined() -> None:
     assert lost is not None and (lost.kind, lost.left, lost.joined) == ("worker_lost", [1], [])
     back = t.committed(3, 3, now=2.0, members=frozenset({0, 2, 3}))
     assert back is not None and (back.kind, back.left, back.joined) == ("joined", [], [3])
-    assert back.fields()["replicas"] == [3]
+    assert back.as_event(Joined).replicas == (3,)
     # Without members (not known), only the size tells.
     assert t.committed(4, 3, now=2.1) is None
     shrunk = t.committed(5, 2, now=2.2)
     assert shrunk is not None and shrunk.kind == "worker_lost" and shrunk.left == []
-    assert "replicas" not in shrunk.fields()
+    assert shrunk.as_event(WorkerLost).replicas == ()
 
 
 Told = tuple[str, str, object, object]  # (event kind, its data's kind, replicas, reason)
@@ -163,3 +166,35 @@ def test_a_drain_is_only_a_resize_that_says_so() -> None:
         2,
     )
     assert data["in_place"] is True and data["steps_redone"] == 0
+
+
+def test_a_loss_in_place_carries_the_same_fields_as_one_in_restart_mode() -> None:
+    """One payload class per kind, shared by both modes: a reader never asks which mode wrote
+    an event; what a mode cannot know is None or empty."""
+    t = Timeline()
+    t.committed(1, 3, 0.0, frozenset({0, 1, 2}))
+    t.failed(now=0.9)
+    change = t.committed(2, 2, 1.25, frozenset({0, 2}))
+    assert change is not None
+    (lost, _), (resized, _) = [(d, k) for k, d in quorum_events(change)]
+    restart = WorkerLost(from_world=3, ranks=(1,), nodes=("n1",), reason="node n1 left")
+    assert set(lost) == set(restart.data()) == {"kind", *(f.name for f in fields(WorldChange))}
+    assert lost == {
+        "kind": "worker_lost",
+        "from_world": 3,
+        "to_world": 2,
+        "steps_redone": 1,
+        "recovery_seconds": 0.35,
+        "detection_seconds": None,
+        "pause_seconds": 1.25,
+        "checkpoint_step": None,
+        "step": 2,
+        "attempts": 1,
+        "in_place": True,
+        "nodes": [],
+        "ranks": [],
+        "replicas": [1],
+        "reason": None,
+        "for_job": None,
+    }
+    assert resized == lost | {"kind": "resized"}

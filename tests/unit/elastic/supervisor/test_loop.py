@@ -343,6 +343,15 @@ def test_a_lost_node_shrinks_the_job_and_the_recovery_counts_from_the_first_sign
             "detection_seconds": 2.0,
             "recovery_seconds": 9.5,
             "attempts": 1,
+            # What only in place knows (the same fields in both modes).
+            "pause_seconds": None,
+            "step": None,
+            "in_place": False,
+            "nodes": [],
+            "ranks": [],
+            "replicas": [],
+            "reason": None,
+            "for_job": None,
         }
         assert h.of("restored") == [resized | {"kind": "restored"}]
         assert h.loop.cancel("done") == "cancelled"
