@@ -5,7 +5,7 @@ the data, the sampler, the schedule and the checkpoints are the product's own.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ class ScriptedManager:
     ``(participants, rank, commits)`` of the script (the last one repeats). The all-reduce
     leaves the tensor as it is: with one participant the sum over the quorum is its own."""
 
-    def __init__(self, script: list[tuple[int, int | None, bool]]) -> None:
+    def __init__(self, script: Sequence[tuple[int, int | None, bool]]) -> None:
         self.script = script
         self.quorums = 0
         self.current = script[0]

@@ -8,6 +8,8 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -126,22 +128,37 @@ class Nodes:
         return NodeProbe(lambda: {n: (n, 1) for n in self.answers}, shake)
 
 
-def watching(
-    rank0: PingedActor, rank1: PingedActor, killed: list[Member], nodes: Nodes | None = None
-) -> tuple[WarmPoolRunner, Ending, asyncio.Future[None]]:
-    """A runner watching an attempt's two runs, on these actors (on nodes n0 and n1), neither
-    ended yet; the workers it kills (Ray's part) go to ``killed``."""
+@dataclass
+class Watched:
+    """A runner watching an attempt's two runs, neither ended yet: rank 0 (``survivor``, on
+    node n0, which answers) and rank 1 (``other``, on node n1). The workers it kills (Ray's
+    part) go to ``killed``."""
+
+    survivor: PingedActor
+    other: PingedActor
+    nodes: Nodes
+    killed: list[Member]
+    runner: WarmPoolRunner
+    ending: Ending
+    watch: asyncio.Future[None]
+
+
+def watching(answers: bool, node: NodeAnswer = NodeAnswer.UP) -> Watched:
+    """``answers``: whether rank 1 answers its pings; ``node``: what its node answers."""
+    survivor, other = PingedActor(answers=True), PingedActor(answers=answers)
+    nodes, killed = Nodes(), list[Member]()
+    nodes.answers["n1"] = node
     runner = WarmPoolRunner({"resources_per_worker": {"CPU": 1.0}}, lambda spec: {})
-    runner._kill = killed.append  # type: ignore[method-assign]
-    runner.probe = (nodes or Nodes()).probe()
-    runner.busy = {0: Member(rank0, None, "n0", 10), 1: Member(rank1, None, "n1", 11)}
+    runner._kill = killed.append  # type: ignore[method-assign,assignment]
+    runner.probe = nodes.probe()
+    runner.busy = {0: Member(survivor, None, "n0", 10), 1: Member(other, None, "n1", 11)}
     ending = runner.ending = Ending()
     loop = asyncio.get_running_loop()
     runs: dict[asyncio.Future[object], int] = {loop.create_future(): 0, loop.create_future(): 1}
-    wakes = {asyncio.ensure_future(runner.signalled.wait())}
+    wakes: set[asyncio.Future[Any]] = {asyncio.ensure_future(runner.signalled.wait())}
     wakes.add(asyncio.ensure_future(runner.stopped.wait()))
-    watch = runner._watch_runs(runs, wakes, ending, ATTEMPT)
-    return runner, ending, asyncio.ensure_future(watch)
+    watch = asyncio.ensure_future(runner._watch_runs(runs, wakes, ending, ATTEMPT))
+    return Watched(survivor, other, nodes, killed, runner, ending, watch)
 
 
 async def until(check: Callable[[], bool], within_s: float = 5.0) -> float:
@@ -159,29 +176,25 @@ def test_a_worker_s_failure_signal_starts_the_pings_before_any_run_returns() -> 
     the dead ones. A worker whose ping is silent and whose node refuses is dead at once."""
 
     async def body() -> None:
-        alive, gone = PingedActor(answers=True), PingedActor(answers=False)
-        killed: list[Member] = []
-        nodes = Nodes()
-        nodes.answers["n1"] = NodeAnswer.GONE
-        runner, ending, watch = watching(alive, gone, killed, nodes)
+        w = watching(answers=False, node=NodeAnswer.GONE)
         await asyncio.sleep(0.2)
-        assert (alive.pings, gone.pings, ending.failed_at) == (0, 0, None)
-        assert alive.abandon.calls == gone.abandon.calls == []
+        assert (w.survivor.pings, w.other.pings, w.ending.failed_at) == (0, 0, None)
+        assert w.survivor.abandon.calls == w.other.abandon.calls == []
 
-        runner.failure_signalled()
-        found = await until(lambda: bool(ending.dead))
-        assert ending.failed_at is not None
+        w.runner.failure_signalled()
+        found = await until(lambda: bool(w.ending.dead))
+        assert w.ending.failed_at is not None
         # Both told at once to leave the collectives they wait in, once: the survivor's
         # may wait on a peer that failed and left, whose sockets stay open.
-        assert alive.abandon.calls == gone.abandon.calls == [(ATTEMPT,)]
-        assert ending.dead == {1} and list(runner.busy) == [0]  # rank 0 answered: it ends itself
-        assert [m.actor for m in killed] == [gone] and gone.pings == 1
-        assert nodes.asked == ["n1"]  # the node of the silent one only
+        assert w.survivor.abandon.calls == w.other.abandon.calls == [(ATTEMPT,)]
+        assert w.ending.dead == {1} and list(w.runner.busy) == [0]  # rank 0 ends itself
+        assert [m.actor for m in w.killed] == [w.other] and w.other.pings == 1
+        assert w.nodes.asked == ["n1"]  # the node of the silent one only
         assert warm_pool.ASK_NODE_S <= found < warm_pool.PING_S
         await asyncio.sleep(3 * warm_pool.PING_EVERY_S)
-        assert alive.pings >= 2  # the living are asked again
-        assert not watch.done()  # waiting for rank 0's run, within SETTLE_S
-        watch.cancel()
+        assert w.survivor.pings >= 2  # the living are asked again
+        assert not w.watch.done()  # waiting for rank 0's run, within SETTLE_S
+        w.watch.cancel()
 
     asyncio.run(body())
 
@@ -200,24 +213,19 @@ def test_a_worker_that_answered_and_then_died_is_found_by_its_next_ping() -> Non
     fails (which waits for Ray to learn of the node's death)."""
 
     async def body() -> None:
-        survivor, second = PingedActor(answers=True), PingedActor(answers=True)
-        killed: list[Member] = []
-        nodes = Nodes()
-        runner, ending, watch = watching(survivor, second, killed, nodes)
-        runner.failure_signalled()
-        await until(lambda: second.pings >= 2)  # answered, and asked again
-        assert ending.dead == set() and nodes.asked == []
-        second.answers, nodes.answers["n1"] = False, NodeAnswer.GONE  # its node goes now
-        gone_at = time.monotonic()
-        await until(lambda: bool(ending.dead))
-        found = time.monotonic() - gone_at
-        assert ending.dead == {1} and list(runner.busy) == [0]
-        assert [m.actor for m in killed] == [second]
-        assert not watch.done()  # the survivor's run ends by itself
+        w = watching(answers=True)
+        w.runner.failure_signalled()
+        await until(lambda: w.other.pings >= 2)  # answered, and asked again
+        assert w.ending.dead == set() and w.nodes.asked == []
+        w.other.answers, w.nodes.answers["n1"] = False, NodeAnswer.GONE  # its node goes now
+        found = await until(lambda: bool(w.ending.dead))
+        assert w.ending.dead == {1} and list(w.runner.busy) == [0]
+        assert [m.actor for m in w.killed] == [w.other]
+        assert not w.watch.done()  # the survivor's run ends by itself
         # At most one more ping PING_EVERY_S on, silent for ASK_NODE_S, and the node gone.
         bound = warm_pool.PING_EVERY_S + warm_pool.ASK_NODE_S
         assert warm_pool.ASK_NODE_S <= found < bound + 0.3
-        watch.cancel()
+        w.watch.cancel()
 
     asyncio.run(body())
 
@@ -230,15 +238,12 @@ def test_a_slow_worker_on_a_node_that_answers_is_not_counted_dead(
     monkeypatch.setattr(warm_pool, "PING_S", 0.3)
 
     async def body() -> None:
-        survivor, slow = PingedActor(answers=True), PingedActor(answers=False)
-        killed: list[Member] = []
-        nodes = Nodes()
-        runner, ending, watch = watching(survivor, slow, killed, nodes)
-        runner.failure_signalled()
-        await until(lambda: slow.pings >= 3)
-        assert ending.dead == set() and killed == [] and set(runner.busy) == {0, 1}
-        assert set(nodes.asked) == {"n1"} and len(nodes.asked) >= 2 * 2  # each ping, often
-        watch.cancel()
+        w = watching(answers=False)
+        w.runner.failure_signalled()
+        await until(lambda: w.other.pings >= 3)
+        assert w.ending.dead == set() and w.killed == [] and set(w.runner.busy) == {0, 1}
+        assert set(w.nodes.asked) == {"n1"} and len(w.nodes.asked) >= 2 * 2  # each ping, often
+        w.watch.cancel()
 
     asyncio.run(body())
 
@@ -249,19 +254,16 @@ def test_a_node_that_answered_while_it_was_dying_is_asked_again_soon() -> None:
     its worker is dead well before PING_S."""
 
     async def body() -> None:
-        survivor, dying = PingedActor(answers=True), PingedActor(answers=False)
-        killed: list[Member] = []
-        nodes = Nodes()
-        runner, ending, watch = watching(survivor, dying, killed, nodes)
-        runner.failure_signalled()
+        w = watching(answers=False)
+        w.runner.failure_signalled()
         began = time.monotonic()
-        await until(lambda: nodes.asked.count("n1") >= 1)
-        nodes.answers["n1"] = NodeAnswer.GONE
-        found = await until(lambda: bool(ending.dead))
-        assert ending.dead == {1} and nodes.asked == ["n1", "n1"]
+        await until(lambda: w.nodes.asked.count("n1") >= 1)
+        w.nodes.answers["n1"] = NodeAnswer.GONE
+        found = await until(lambda: bool(w.ending.dead))
+        assert w.ending.dead == {1} and w.nodes.asked == ["n1", "n1"]
         assert time.monotonic() - began < 2 * warm_pool.ASK_NODE_S + 0.3 < warm_pool.PING_S
         assert found < warm_pool.ASK_NODE_S + 0.3
-        watch.cancel()
+        w.watch.cancel()
 
     asyncio.run(body())
 
@@ -274,16 +276,12 @@ def test_a_worker_on_a_node_that_does_not_answer_is_dead_after_ping_s(
     monkeypatch.setattr(warm_pool, "PING_S", 0.5)
 
     async def body() -> None:
-        survivor, cut = PingedActor(answers=True), PingedActor(answers=False)
-        killed: list[Member] = []
-        nodes = Nodes()
-        nodes.answers["n1"] = NodeAnswer.SILENT
-        runner, ending, watch = watching(survivor, cut, killed, nodes)
-        runner.failure_signalled()
-        found = await until(lambda: bool(ending.dead))
-        assert ending.dead == {1} and nodes.asked == ["n1"] and cut.pings == 1
+        w = watching(answers=False, node=NodeAnswer.SILENT)
+        w.runner.failure_signalled()
+        found = await until(lambda: bool(w.ending.dead))
+        assert w.ending.dead == {1} and w.nodes.asked == ["n1"] and w.other.pings == 1
         assert 0.5 <= found < 0.8
-        watch.cancel()
+        w.watch.cancel()
 
     asyncio.run(body())
 
@@ -294,17 +292,13 @@ def test_after_the_supervisor_s_stop_a_dead_worker_is_still_found() -> None:
     counted dead, so the attempt's end names it too."""
 
     async def body() -> None:
-        survivor, second = PingedActor(answers=True), PingedActor(answers=False)
-        killed: list[Member] = []
-        nodes = Nodes()
-        nodes.answers["n1"] = NodeAnswer.GONE
-        runner, ending, watch = watching(survivor, second, killed, nodes)
-        runner.stop()
-        await until(lambda: bool(ending.dead))
-        assert ending.failed_at is None and ending.dead == {1}
-        assert ending.outcome(stopped=True) == AttemptOutcome(None, [1])
-        assert survivor.abandon.calls == second.abandon.calls == [(ATTEMPT,)]
-        watch.cancel()
+        w = watching(answers=False, node=NodeAnswer.GONE)
+        w.runner.stop()
+        await until(lambda: bool(w.ending.dead))
+        assert w.ending.failed_at is None and w.ending.dead == {1}
+        assert w.ending.outcome(stopped=True) == AttemptOutcome(None, [1])
+        assert w.survivor.abandon.calls == w.other.abandon.calls == [(ATTEMPT,)]
+        w.watch.cancel()
 
     asyncio.run(body())
 
