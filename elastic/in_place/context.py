@@ -360,21 +360,13 @@ class InPlaceContext(TrainContext):
         report again first, as its reporter may have died with it in flight (the supervisor
         drops a step it already has). In place a drain is not acted on here (the quorum goes
         on without the node)."""
-        assert self.scheduler is not None
-        totals, global_batch = self._totals, self._step_global_batch
-        report = {
-            "step": self.step,
-            "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,
-            "loss": float(totals[0]) / global_batch,
-            "accuracy": float(totals[1]) / global_batch,
-            "samples_per_s": samples_per_s,
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "world_size": self._participants,
-            "total_steps": last_step,
-            "completed_step": self.step,
-            "longest_pause_s": round(self.timeline.longest_pause, 4),
-            **self._extra_metrics,
-        }
+        report = self._metrics(
+            self._totals,
+            last_step,
+            samples_per_s,
+            self._participants,
+            longest_pause_s=round(self.timeline.longest_pause, 4),
+        )
         self._extra_metrics = {}
         previous, self._last_report = self._last_report, report
         was_reporter, self._reporter = self._reporter, self.worker.rank == 0

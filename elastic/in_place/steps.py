@@ -88,15 +88,15 @@ def quorum_events(change: QuorumChange) -> list[tuple[EventKind, dict[str, Any]]
     """The job's events for a change of the quorum, in order: a loss (a drain is no loss, only
     a resize), a join, and a resize when the size changed. A lost replica replaced in the
     same change is a loss and a join at the same size."""
-    events: list[tuple[EventKind, dict[str, Any]]] = []
+    kinds: list[type[WorldChange]] = []
     first = _KINDS.get(change.kind)  # none for a drain
     if first is not None:
-        events.append((first.KIND, change.as_event(first).data()))
+        kinds.append(first)
     if change.kind == EventKind.WORKER_LOST and change.joined:
-        events.append((EventKind.JOINED, change.as_event(Joined).data()))
+        kinds.append(Joined)
     if change.from_world != change.to_world:
-        events.append((EventKind.RESIZED, change.as_event(Resized).data()))
-    return events
+        kinds.append(Resized)
+    return [(kind.KIND, change.as_event(kind).data()) for kind in kinds]
 
 
 class Timeline:

@@ -106,14 +106,14 @@ class Recovery:
         self, kind: type[WorldChange], to_world: int | None, now: float | None, **more: Any
     ) -> WorldChange:
         """The recovery so far as the data of an event of ``kind``; ``more``: the event's
-        own fields (the nodes lost, the reason)."""
-        return kind(
-            from_world=self.from_world,
-            to_world=to_world,
-            checkpoint_step=self.checkpoint_step,
-            steps_redone=self.steps_redone,
-            detection_seconds=round(max(0.0, self.detected_at - self.failed_at), 3),
-            recovery_seconds=None if now is None else round(now - self.failed_at, 3),
-            attempts=self.attempts,
-            **more,
-        )
+        own fields (the nodes lost, the reason), over the recovery's."""
+        fields: dict[str, Any] = {
+            "from_world": self.from_world,
+            "to_world": to_world,
+            "checkpoint_step": self.checkpoint_step,
+            "steps_redone": self.steps_redone,
+            "detection_seconds": round(max(0.0, self.detected_at - self.failed_at), 3),
+            "recovery_seconds": None if now is None else round(now - self.failed_at, 3),
+            "attempts": self.attempts,
+        }
+        return kind(**(fields | more))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -359,11 +358,15 @@ class JobLoop:
         if lost:
             ranks = sorted(r for r, n in attempt.worker_nodes.items() if n in lost)
             loss = self.recovery.as_event(
-                WorkerLost, None, None, nodes=tuple(sorted(lost)), ranks=tuple(ranks), reason=reason
+                WorkerLost,
+                None,
+                None,
+                from_world=attempt.world_size,  # this attempt's: the recovery's may be earlier
+                nodes=tuple(sorted(lost)),
+                ranks=tuple(ranks),
+                reason=reason,
             )
-            # This attempt's world: the recovery's may be an earlier attempt's.
-            loss = dataclasses.replace(loss, from_world=attempt.world_size)
-            self._emit(EventKind.WORKER_LOST, loss.data())
+            self._emit(loss.KIND, loss.data())
         decision = self.restarts.decide(cause, attempt.saved_checkpoint)
         if not decision.retry:
             await self._drop_reservation()
@@ -871,13 +874,14 @@ class JobLoop:
         assert r is not None
         now = self.clock()
         if r.kind not in ("grow", "drain", "shrink") and r.checkpoint_step is not None:
-            self._emit(EventKind.RESTORED, r.as_event(Restored, attempt.world_size, now).data())
+            restored = r.as_event(Restored, attempt.world_size, now)
+            self._emit(restored.KIND, restored.data())
         if r.from_world != attempt.world_size:
             why: dict[str, Any] = {"reason": "drain"} if r.kind == "drain" else {}
             if r.decision is not None:  # the scheduler's word: for whom, or into what
                 why = {"reason": r.decision.reason, "for_job": r.decision.for_job}
             resized = r.as_event(Resized, attempt.world_size, now, **why)
-            self._emit(EventKind.RESIZED, resized.data())
+            self._emit(resized.KIND, resized.data())
         self.recovery = None
 
     def _set_state(self, target: JobState, reason: str | None = None, **extra: Any) -> None:

@@ -614,28 +614,38 @@ class TrainContext:
         if self.world_size > 1:
             all_reduce(totals, self.worker.abandoned)
         if self.rank == 0:
-            assert self.scheduler is not None
-            global_batch = self._step_global_batch
-            self.worker.emit(
-                EventKind.METRICS,
-                {
-                    "step": self.step,
-                    "epoch": self.position.epoch
-                    if self.position.consumed
-                    else self.position.epoch - 1,
-                    "loss": float(totals[0]) / global_batch,
-                    "accuracy": float(totals[1]) / global_batch,
-                    "samples_per_s": samples_per_s,
-                    "learning_rate": self.scheduler.get_last_lr()[0],
-                    "world_size": self.world_size,
-                    "total_steps": last_step,
-                    "completed_step": self.worker.completed_step,
-                    **self._extra_metrics,
-                },
-            )
+            report = self._metrics(totals, last_step, samples_per_s, self.world_size)
+            self.worker.emit(EventKind.METRICS, report)
         self._extra_metrics = {}
         self._report_now = False
         return bool(totals[2] > 0)
+
+    def _metrics(
+        self,
+        totals: torch.Tensor,
+        last_step: int,
+        samples_per_s: float | None,
+        world_size: int,
+        **more: Any,
+    ) -> dict[str, Any]:
+        """The report of the step just completed: ``totals`` holds its summed loss and count
+        of correct answers over the global batch; ``more``, what a mode adds; then what the
+        loop added with ``ctx.report``."""
+        assert self.scheduler is not None
+        global_batch = self._step_global_batch
+        return {
+            "step": self.step,
+            "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,
+            "loss": float(totals[0]) / global_batch,
+            "accuracy": float(totals[1]) / global_batch,
+            "samples_per_s": samples_per_s,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "world_size": world_size,
+            "total_steps": last_step,
+            "completed_step": self.worker.completed_step,
+            **more,
+            **self._extra_metrics,
+        }
 
     def _checkpoint(self, last_step: int) -> None:
         # Training waits only for the copy to CPU; the write goes on in the background.
