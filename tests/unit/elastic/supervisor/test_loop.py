@@ -343,7 +343,8 @@ def test_a_lost_node_shrinks_the_job_and_the_recovery_counts_from_the_first_sign
             "detection_seconds": 2.0,
             "recovery_seconds": 9.5,
             "attempts": 1,
-            # What only in place knows (the same fields in both modes).
+            # Every field of a WorldChange, in both modes: in place's own (pause, step) are
+            # None here, and a resize for a loss names no node, rank or reason.
             "pause_seconds": None,
             "step": None,
             "in_place": False,
