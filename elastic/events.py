@@ -43,6 +43,11 @@ class EventKind(StrEnum):
     FAILURE_SIGNAL = "failure_signal"
 
 
+# In a metrics report's data: the report says only that an attempt's commands run (a command
+# job's first sign of running), and holds no metrics to keep.
+COMMANDS_STARTED = "commands_started"
+
+
 @dataclass(frozen=True)
 class WorldChange:
     """The data of an event that changes a job's world: a worker lost, a replica joined, a

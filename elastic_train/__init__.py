@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         Unauthorized,
     )
     from elastic_train.models import Checkpoint, Event, JobInfo, LogLine, Me, MetricSeries
+    from elastic_train.reporting import report
 
 _WHERE = {
     "AsyncClient": "elastic_train.aio",
@@ -58,6 +59,7 @@ _WHERE = {
         ["Checkpoint", "Event", "JobInfo", "LogLine", "Me", "MetricSeries"], "elastic_train.models"
     ),
     "JobState": "elastic.job_state",
+    "report": "elastic_train.reporting",
 }
 
 __all__ = [
@@ -86,6 +88,7 @@ __all__ = [
     "RateLimited",
     "ServerError",
     "Unauthorized",
+    "report",
 ]
 
 

@@ -12,10 +12,12 @@ import ray
 from ray._private import ray_constants
 from ray.exceptions import RayActorError
 
+from elastic.checkpoint.storage import join_location
 from elastic.cluster import capacity, scheduling
 from elastic.job_state import JobState
 from elastic.supervisor.actor import Supervisor, SupervisorPlan
 from jobs import isolation, ray_auth
+from jobs.code_store import CodeStore, owner_key
 from jobs.spec import JobSpec
 from jobs.workloads import WORKLOADS
 
@@ -26,6 +28,10 @@ log = logging.getLogger(__name__)
 SupervisorGone = RayActorError
 
 ACTOR_PREFIX = "etrain-supervisor-"
+# The training loop of every command job: it runs the spec's command (elastic/train/command.py).
+COMMAND_LOOP = "elastic.train.command:run_command"
+# Beside the jobs' checkpoints: each command job's own directory, under its owner's.
+FILES_DIR = "_files"
 # For a Ray instance the service starts itself (and the Helm chart's Ray, as environment
 # variables): a node that stops answering is declared dead after 3 s (its connections
 # refused) to 6 s (its packets dropped: each check waits out its 1 s), so elastic recovery
@@ -194,6 +200,25 @@ def checkpoint_dir(checkpoint_root: str, job_id: str) -> str:
     return os.path.join(checkpoint_root, job_id)
 
 
+def files_dir(checkpoint_root: str, owner: str, job_id: str) -> str:
+    """A command job's own directory (``ETRAIN_CHECKPOINT_DIR``), under its owner's."""
+    return join_location(checkpoint_root, f"{FILES_DIR}/{owner_key(owner)}/{job_id}")
+
+
+def command_plan(job_id: str, spec: JobSpec, checkpoint_root: str, owner: str) -> dict[str, Any]:
+    """What every worker of a command job is given (``elastic.train.command.CommandPlan``)."""
+    assert spec.command is not None
+    return {
+        "argv": list(spec.command),
+        "job_id": job_id,
+        "owner": owner,
+        "code": CodeStore(checkpoint_root).location(owner, spec.code) if spec.code else None,
+        "files_dir": files_dir(checkpoint_root, owner, job_id),
+        "stop_grace_s": spec.stop_grace_s,
+        "max_restarts": spec.failure.max_restarts,
+    }
+
+
 def launch(
     job_id: str,
     spec: JobSpec,
@@ -209,6 +234,13 @@ def launch(
     workload = WORKLOADS.get(spec.workload)
     train_loop = workload.train_loop if workload else spec.workload
     train_config = spec.train_config()
+    backend = spec.backend
+    if spec.command is not None:
+        train_loop = COMMAND_LOOP
+        train_config["command"] = command_plan(job_id, spec, checkpoint_root, owner)
+        # The workers' own group only agrees on how the commands are doing, on the CPU;
+        # the command forms its own group, NCCL or Gloo, as its script says.
+        backend = "gloo"
     if _mlflow is not None:
         # Read by the rank-0 worker (elastic.train.mlflow_log); the URI goes in the environment.
         train_config["_mlflow"] = {
@@ -224,7 +256,7 @@ def launch(
         min_workers=spec.scaling.min_workers,
         max_workers=spec.scaling.max_workers,
         resources_per_worker=spec.scaling.worker_resources(),
-        backend=spec.backend,
+        backend=backend,
         checkpoint_dir=checkpoint_dir(checkpoint_root, job_id),
         every_steps=spec.checkpoint.every_steps,
         keep=spec.checkpoint.keep,

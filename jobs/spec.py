@@ -28,6 +28,9 @@ MAX_HYPERPARAMETER_DEPTH = 32
 # put just above or below one of them (51: ahead of every "normal" job).
 MIN_PRIORITY, MAX_PRIORITY = 0, 1000
 PriorityClass = Literal["low", "normal", "high"]
+# What a command job's ``workload`` reads: its ``command`` is what runs.
+COMMAND_WORKLOAD = "command"
+CommandArgument = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
 
 
 def priority_value(priority: int | str | None) -> int:
@@ -191,9 +194,33 @@ class JobSpec(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[\w][\w .\-]*$")
     workload: str = Field(
         description="A built-in workload (" + ", ".join(sorted(WORKLOADS)) + ") or a custom "
-        "entrypoint 'package.module:function'.",
+        "entrypoint 'package.module:function'. Left out for a command job (it then reads "
+        f"{COMMAND_WORKLOAD!r}).",
         min_length=1,
         max_length=256,
+    )
+    command: list[CommandArgument] | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="A command every worker runs as it is, with the environment torchrun "
+        "gives a worker (RANK, WORLD_SIZE, MASTER_ADDR, ...) and ETRAIN_CHECKPOINT_DIR, in "
+        'the job\'s code package: e.g. ["python", "train.py", "--epochs", "3"]. '
+        "It recovers by restart: on a node loss or a grow every process is stopped and the "
+        "command starts again at the new size, resuming from its own checkpoint.",
+    )
+    code: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="The id of the job's code package (POST /v1/code, or etrain submit "
+        "--code DIR): the command's working directory on every worker.",
+    )
+    stop_grace_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="A command job's processes stopped for a grow get this long between "
+        "SIGTERM and SIGKILL to save a checkpoint.",
     )
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
@@ -230,6 +257,11 @@ class JobSpec(BaseModel):
         return "restart" if self._why_not_in_place() else "in_place"
 
     def _why_not_in_place(self) -> str | None:
+        if self.command is not None:
+            return (
+                "a command job recovers by restart: its processes start again at the new "
+                "size and resume from their own checkpoint (torchrun's elastic contract)"
+            )
         d = self.distributed
         return _why_not_in_place(
             d.strategy, d.sync, d.gradient_compression, self.scaling.gpus_per_worker
@@ -237,7 +269,8 @@ class JobSpec(BaseModel):
 
     @property
     def is_custom(self) -> bool:
-        return self.workload not in WORKLOADS
+        """A custom entrypoint's ``module:function`` (not a built-in, not a command)."""
+        return self.command is None and self.workload not in WORKLOADS
 
     @property
     def backend(self) -> Literal["nccl", "gloo"]:
@@ -359,8 +392,49 @@ class JobSpec(BaseModel):
             )
         return self
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_program(cls, data: Any) -> Any:
+        """A job runs a workload or a command: one of them, named; before the fields'
+        own checks, so that a command job's recovery mode is decided with it."""
+        if not isinstance(data, dict):
+            return data
+        workload, command = data.get("workload"), data.get("command")
+        if command is None:
+            if workload is None:
+                raise field_error(
+                    "JobSpec",
+                    "workload",
+                    "missing: give a workload (built-in or 'package.module:function') or a command",
+                )
+            if workload == COMMAND_WORKLOAD:
+                raise field_error(
+                    "JobSpec",
+                    "command",
+                    f"missing: workload {COMMAND_WORKLOAD!r} runs the spec's command",
+                )
+            if data.get("code") is not None:
+                raise field_error(
+                    "JobSpec",
+                    "code",
+                    "a code package runs as a command job: give command, e.g. "
+                    '["python", "train.py"]',
+                    data.get("code"),
+                )
+            return data
+        if workload not in (None, COMMAND_WORKLOAD):
+            raise field_error(
+                "JobSpec",
+                "command",
+                "give a workload or a command, not both",
+                command,
+            )
+        return {**data, "workload": COMMAND_WORKLOAD}
+
     @model_validator(mode="after")
     def _check_workload(self) -> JobSpec:
+        if self.command is not None:
+            return self
         workload = WORKLOADS.get(self.workload)
         if workload is None:
             if not ENTRYPOINT_PATTERN.match(self.workload):

@@ -8,6 +8,7 @@ import hashlib
 import json
 
 from jobs import cluster, isolation, launcher, memory
+from jobs.code_store import CodeStore
 from jobs.spec import JobSpec
 from jobs.workloads.data_paths import DataAccess, PathRefused
 from service import quotas
@@ -33,13 +34,16 @@ class Admission:
                 limit="min_cpus_per_worker",
             )
         spec = self._authorize_data_paths(spec, owner)
+        limits = UserLimits.of(self.settings, self.store.user_limits(owner))
+        if spec.command is not None:
+            quotas.check_code_allowed(owner, limits)
+            self._check_code(spec, owner)
         refused = refused_by_cluster(spec, self.view.nodes())
         if refused is not None:
             # The view may predate a node that just joined: refuse only on Ray's answer now.
             refused = refused_by_cluster(spec, self.view.refresh())
         if refused is not None:
             raise refused
-        limits = UserLimits.of(self.settings, self.store.user_limits(owner))
         held = Usage.total(j.spec for j in self.store.active_jobs(owner))
         quotas.check(owner, limits, held, spec)
         return spec
@@ -59,6 +63,17 @@ class Admission:
                 f"module {module!r} is not allowed",
                 detail=f"module {module!r} is not on this service's "
                 "allow-list of entrypoint modules (ETRAIN_ENTRYPOINT_MODULES)",
+            )
+
+    def _check_code(self, spec: JobSpec, owner: str) -> None:
+        """The package a command job names is one of its owner's (another's is unknown)."""
+        if spec.code is None:
+            return
+        if not CodeStore(self.settings.resolved_checkpoint_dir).exists(owner, spec.code):
+            raise SpecRefused(
+                "code",
+                f"no code package {spec.code} of yours: upload it first (POST /v1/code, "
+                "or etrain submit --code DIR)",
             )
 
     def _authorize_data_paths(self, spec: JobSpec, owner: str) -> JobSpec:

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from elastic.events import EventKind
+from elastic.events import COMMANDS_STARTED, EventKind
 from elastic.job_state import JobState, check_transition
 from service.store.models import CheckpointRow, EventRow, JobRow, MetricRow
 
@@ -77,6 +77,8 @@ def fold(s: Session, job: JobRow, ev: dict[str, Any]) -> None:
         # with no state event.
         if job.state == JobState.RECOVERING:
             job.restarts += 1
+    elif kind == EventKind.METRICS and data.get(COMMANDS_STARTED):
+        job.world_size = int(data.get("world_size") or job.world_size)
     elif kind == EventKind.METRICS:
         s.add(
             MetricRow(
