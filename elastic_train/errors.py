@@ -29,6 +29,28 @@ class ConnectionFailed(ElasticTrainError):
         self.reason = reason
 
 
+class CodeArchiveError(ElasticTrainError):
+    """A code directory that cannot be packed (e.g. a link that leaves it)."""
+
+
+class CodeTooLarge(ElasticTrainError):
+    """A packed code directory over the service's size limit: the message names the
+    biggest files, the likeliest to leave out (``.etrainignore``)."""
+
+    def __init__(self, reason: str, biggest: list[tuple[str, int]]) -> None:
+        self.reason = reason
+        self.biggest = biggest
+        listed = ", ".join(f"{path} ({_size(n)})" for path, n in biggest)
+        hint = f"; the biggest files: {listed}" if listed else ""
+        super().__init__(f"{reason}{hint} (leave files out with .etrainignore)")
+
+
+def _size(n: int) -> str:
+    from elastic_train.render import size
+
+    return size(n)
+
+
 @dataclass(frozen=True)
 class FieldError:
     field: str

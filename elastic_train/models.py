@@ -97,6 +97,7 @@ class Limits(_Answer):
     max_cpus: float | None = None
     max_gpus: int | None = None
     max_wall_time_s: float | None = None
+    code_submission: bool = True
 
 
 class Me(_Answer):

@@ -23,6 +23,7 @@ class UserLimits:
     max_cpus: float | None
     max_gpus: int | None
     max_wall_time_s: float | None
+    code_submission: bool = True
 
     @classmethod
     def of(cls, settings: Settings, overrides: Mapping[str, Any] | None = None) -> UserLimits:
@@ -32,6 +33,7 @@ class UserLimits:
             max_cpus=settings.user_max_cpus,
             max_gpus=settings.user_max_gpus,
             max_wall_time_s=settings.user_max_wall_time_s,
+            code_submission=settings.code_submission,
         )
         return replace(limits, **{k: v for k, v in (overrides or {}).items() if v is not None})
 
@@ -131,6 +133,26 @@ def _never(user: str, limit: str, field: str, cap: float, what: str) -> None:
         f"{field}: {message}",
         errors=[{"field": field, "message": message}],
         limit=limit,
+    )
+
+
+def code_allowed(limits: UserLimits) -> bool:
+    """Whether the user may submit code of their own (upload packages, run jobs on them)."""
+    return limits.code_submission
+
+
+def check_code_allowed(user: str, limits: UserLimits) -> None:
+    """403 naming the ``code_submission`` field when the user may not submit code: the
+    upload route and job submission answer alike."""
+    if code_allowed(limits):
+        return
+    message = f"code submission is turned off for {user}"
+    raise Problem(
+        403,
+        "Code submission not allowed",
+        f"code_submission: {message}",
+        errors=[{"field": "code_submission", "message": message}],
+        limit="code_submission",
     )
 
 

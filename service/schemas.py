@@ -219,6 +219,9 @@ class Limits(BaseModel):
     max_wall_time_s: float | None = Field(
         description="Seconds one job may run before it is cancelled; null: no limit."
     )
+    code_submission: bool = Field(
+        True, description="Whether the user may upload code packages (POST /v1/code)."
+    )
 
 
 class LimitsIn(BaseModel):
@@ -231,6 +234,7 @@ class LimitsIn(BaseModel):
     max_cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
     max_gpus: int | None = Field(None, ge=0, le=1_000_000)
     max_wall_time_s: float | None = Field(None, gt=0, le=1e9, allow_inf_nan=False)
+    code_submission: bool | None = None
 
 
 class UserLimitsOut(BaseModel):

@@ -223,6 +223,29 @@ class Settings(BaseSettings):
         le=100_000,
         description="Live Server-Sent Event streams one token may hold open; past it, 429.",
     )
+    # -- code packages (POST /v1/code) ---------------------------------------------------
+    code_submission: bool = Field(
+        True,
+        description="Whether users may upload their own training code (POST /v1/code); an "
+        "admin turns it on or off per user with the code_submission limit.",
+    )
+    max_code_bytes: int = Field(
+        100 * 1024 * 1024,
+        ge=1024,
+        le=1 << 34,
+        description="Largest code package (the tar.gz as uploaded), 100 MiB by default as "
+        "Ray's own limit on a working directory; a bigger one is answered 413.",
+    )
+    max_code_files: int = Field(
+        20_000, ge=1, le=10_000_000, description="Entries a code package may hold; past it, 422."
+    )
+    max_code_unpacked_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        le=1 << 40,
+        description="What a code package's files may add up to unpacked; past it, 422 (the "
+        "check stops reading there: a zip bomb is never inflated).",
+    )
     # -- stored data -----------------------------------------------------------------------
     retention_days: float = Field(
         30.0,

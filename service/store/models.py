@@ -185,10 +185,18 @@ class UserLimitRow(Base):
     max_cpus: Mapped[float | None] = mapped_column(Float, nullable=True)
     max_gpus: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_wall_time_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    code_submission: Mapped[bool | None] = mapped_column(Boolean, nullable=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-LIMIT_COLUMNS = ("max_active_jobs", "max_workers", "max_cpus", "max_gpus", "max_wall_time_s")
+LIMIT_COLUMNS = (
+    "max_active_jobs",
+    "max_workers",
+    "max_cpus",
+    "max_gpus",
+    "max_wall_time_s",
+    "code_submission",
+)
 
 
 class IdempotencyRow(Base):

@@ -325,6 +325,7 @@ def test_refusals_are_typed_errors_naming_the_problem(live: LiveServer) -> None:
                 "max_gpus": None,
                 "max_wall_time_s": 604800.0,
                 "max_workers": None,
+                "code_submission": True,
             },
         }
         with pytest.raises(Forbidden) as forbidden:

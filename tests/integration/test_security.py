@@ -255,6 +255,7 @@ def test_an_admin_sets_limits_per_user_and_each_refusal_names_its_limit(
             "max_cpus": 1.0,
             "max_gpus": None,
             "max_wall_time_s": None,
+            "code_submission": None,
         }
         assert alice.get("/v1/me").json()["limits"]["max_active_jobs"] == 1
         refused(admin.get("/v1/users/nobody/limits"), 404)

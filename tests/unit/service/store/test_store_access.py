@@ -89,7 +89,7 @@ def test_a_database_newer_than_the_service_is_refused(store_backend: str, tmp_pa
         with pytest.raises(
             SchemaTooNew,
             match=r"schema revision '9999_from_the_future', "
-            r"newer than this elastic-train knows \(its newest is '0004'\)",
+            r"newer than this elastic-train knows \(its newest is '0005'\)",
         ):
             Store(url)
 
@@ -119,7 +119,7 @@ def test_a_walking_skeleton_database_is_migrated_in_place(
             )
             with engine.connect() as conn:
                 assert (
-                    conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0004"
+                    conn.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0005"
                 )
             old = store.get_job("job-old")
             assert old is not None and old.name == "old"
