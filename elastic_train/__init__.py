@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from elastic_train.errors import (
         ApiError,
         BadRequest,
+        CodeArchiveError,
+        CodeTooLarge,
         ConfigError,
         Conflict,
         ConnectionFailed,
@@ -39,6 +41,8 @@ _WHERE = {
         [
             "ApiError",
             "BadRequest",
+            "CodeArchiveError",
+            "CodeTooLarge",
             "ConfigError",
             "Conflict",
             "ConnectionFailed",
@@ -67,6 +71,8 @@ __all__ = [
     "BadRequest",
     "Checkpoint",
     "Client",
+    "CodeArchiveError",
+    "CodeTooLarge",
     "ConfigError",
     "Conflict",
     "ConnectionFailed",
