@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from elastic_train.errors import (
         ApiError,
         BadRequest,
+        CodeArchiveError,
+        CodeTooLarge,
         ConfigError,
         Conflict,
         ConnectionFailed,
@@ -40,6 +42,8 @@ _WHERE = {
         [
             "ApiError",
             "BadRequest",
+            "CodeArchiveError",
+            "CodeTooLarge",
             "ConfigError",
             "Conflict",
             "ConnectionFailed",
@@ -69,6 +73,8 @@ __all__ = [
     "BadRequest",
     "Checkpoint",
     "Client",
+    "CodeArchiveError",
+    "CodeTooLarge",
     "ConfigError",
     "Conflict",
     "ConnectionFailed",

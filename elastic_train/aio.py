@@ -20,9 +20,10 @@ from httpx_sse import EventSource
 
 from elastic.events import EventKind
 from elastic.job_state import JobState
-from elastic_train import config, protocol
+from elastic_train import code_upload, config, protocol
 from elastic_train.client import USER_AGENT
-from elastic_train.errors import ConnectionFailed, from_problem
+from elastic_train.code_upload import CodeSource
+from elastic_train.errors import ConnectionFailed, PayloadTooLarge, from_problem
 from elastic_train.models import (
     Checkpoint,
     Event,
@@ -79,10 +80,27 @@ class AsyncClient:
     async def me(self) -> Me:
         return Me.model_validate(await self.request("GET", "/v1/me"))
 
+    async def upload_code(self, code: CodeSource) -> str:
+        """As :meth:`Client.upload_code`; the packing runs in a thread."""
+        archive = await asyncio.to_thread(code_upload.packed_within, code)
+        try:
+            answer = await self.request(
+                "POST", code_upload.CODE_PATH, content=archive.data, headers=code_upload.HEADERS
+            )
+        except PayloadTooLarge as e:
+            raise code_upload.too_large(e, archive) from None
+        return str(answer["id"])
+
     async def submit(
-        self, spec: JobSpec | Mapping[str, Any], *, idempotency_key: str | None = None
+        self,
+        spec: JobSpec | Mapping[str, Any],
+        *,
+        code: CodeSource | None = None,
+        idempotency_key: str | None = None,
     ) -> AsyncJob:
         body = protocol.spec_body(spec)
+        if code is not None:
+            body["code"] = await self.upload_code(code)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         answer = await self.request("POST", "/v1/jobs", json=body, headers=headers)
         return AsyncJob(self, JobInfo.model_validate(answer))

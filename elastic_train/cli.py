@@ -17,6 +17,7 @@ from elastic.job_state import JobState
 from elastic_train import config
 from elastic_train.errors import (
     BadRequest,
+    CodeArchiveError,
     ElasticTrainError,
     InvalidRequest,
     Unauthorized,
@@ -52,7 +53,7 @@ class EtrainGroup(click.Group):
                 "; ".join(f"{x['field']}: {x['message']}" for x in describe(e.errors())),
                 USAGE_ERROR,
             )
-        except JobFileError as e:
+        except (JobFileError, CodeArchiveError) as e:
             fail(str(e), USAGE_ERROR)
         except Unauthorized as e:
             fail(f"{e.line()}; run `etrain login URL` or set ETRAIN_TOKEN")
@@ -157,8 +158,23 @@ def login(url: str, token: str | None) -> None:
     metavar="PATH=VALUE",
     help="Set a field, e.g. hyperparameters.learning_rate=0.01 (VALUE is read as YAML).",
 )
-def submit(job_file: str, follow: bool, name: str | None, overrides: tuple[str, ...]) -> None:
+@click.option(
+    "--code",
+    "code_dir",
+    type=click.Path(exists=True, file_okay=False),
+    help="A directory of training code to upload and run the job on.",
+)
+def submit(
+    job_file: str,
+    follow: bool,
+    name: str | None,
+    overrides: tuple[str, ...],
+    code_dir: str | None,
+) -> None:
     """Submit the job in JOB_FILE (YAML or JSON; - for stdin) and print its id.
+
+    With --code, the directory is packed (leaving out .git, virtual environments, caches
+    and what .gitignore and .etrainignore exclude) and uploaded first.
 
     With --follow, show its progress until it ends: exit status 0 when it succeeds,
     1 otherwise.
@@ -169,7 +185,13 @@ def submit(job_file: str, follow: bool, name: str | None, overrides: tuple[str, 
     if name is not None:
         spec["name"] = name
     with _client() as client:
-        job = client.submit(spec)
+        code = None
+        if code_dir is not None:
+            from elastic_train import code_upload
+
+            code = code_upload.packed_within(code_dir)
+            click.echo(f"code: {code_upload.summary(code)}")
+        job = client.submit(spec, code=code)
         click.echo(job.id)
         if follow:
             sys.exit(_follow(client, job.id))

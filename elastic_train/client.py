@@ -20,8 +20,9 @@ from httpx_sse import EventSource
 
 from elastic.events import EventKind
 from elastic.job_state import JobState
-from elastic_train import config, protocol
-from elastic_train.errors import ConnectionFailed, from_problem
+from elastic_train import code_upload, config, protocol
+from elastic_train.code_upload import CodeSource
+from elastic_train.errors import ConnectionFailed, PayloadTooLarge, from_problem
 from elastic_train.models import (
     Checkpoint,
     Event,
@@ -88,12 +89,32 @@ class Client:
     def me(self) -> Me:
         return Me.model_validate(self.request("GET", "/v1/me"))
 
+    def upload_code(self, code: CodeSource) -> str:
+        """Pack a directory of training code (see :mod:`elastic_train.code_archive` for
+        what is left out), upload it and return its id, for a job spec's ``code``. Over the
+        size limit: :class:`CodeTooLarge` naming the biggest files, before any upload."""
+        archive = code_upload.packed_within(code)
+        try:
+            answer = self.request(
+                "POST", code_upload.CODE_PATH, content=archive.data, headers=code_upload.HEADERS
+            )
+        except PayloadTooLarge as e:
+            raise code_upload.too_large(e, archive) from None
+        return str(answer["id"])
+
     def submit(
-        self, spec: JobSpec | Mapping[str, Any], *, idempotency_key: str | None = None
+        self,
+        spec: JobSpec | Mapping[str, Any],
+        *,
+        code: CodeSource | None = None,
+        idempotency_key: str | None = None,
     ) -> Job:
         """Submit a job. The spec is checked with ``JobSpec`` first: an invalid one raises
-        ``pydantic.ValidationError`` and nothing is sent."""
+        ``pydantic.ValidationError`` and nothing is sent. With ``code`` (a directory, or
+        one packed already), it is uploaded first and the job runs on it."""
         body = protocol.spec_body(spec)
+        if code is not None:
+            body["code"] = self.upload_code(code)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         return Job(
             self,

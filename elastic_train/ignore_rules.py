@@ -50,9 +50,7 @@ def parse_line(line: str) -> Rule | None:
     if not text or text.startswith("#"):
         return None
     negated = text.startswith("!")
-    if negated:
-        text = text[1:]
-    elif text.startswith("\\!") or text.startswith("\\#"):
+    if negated or text.startswith("\\!") or text.startswith("\\#"):
         text = text[1:]
     dir_only = text.endswith("/")
     body = text.rstrip("/")

@@ -163,7 +163,8 @@ class _Entries:
             for i in range(1, len(parts)):
                 parent = "/".join(parts[:i])
                 if parent in self.symlinks:
-                    raise PackageRefused(f"its path passes through the link {parent!r}", path, "link")
+                    message = f"its path passes through the link {parent!r}"
+                    raise PackageRefused(message, path, "link")
 
 
 def _relative_path(name: str, what: str) -> str:

@@ -56,7 +56,9 @@ class CodeStore:
             return _object_exists(self.location(owner, package_id))
         return os.path.isfile(self.location(owner, package_id))
 
-    def put(self, owner: str, package_id: str, data: bytes, info: CodePackage | None = None) -> bool:
+    def put(
+        self, owner: str, package_id: str, data: bytes, info: CodePackage | None = None
+    ) -> bool:
         """Store a package (its ``info`` beside it); False when it was there already. The
         info goes first, so a package that exists always has it."""
         target = self.location(owner, package_id)

@@ -5,6 +5,7 @@ otherwise fail on it with an error)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from fastapi import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,8 +17,17 @@ class BodyTooLarge(HTTPException):
     """An HTTPException, so that FastAPI's body parsing passes it on rather than calling
     the body malformed; the app's handler then answers it as a problem."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the body may be at most {limit} bytes")
+    def __init__(self, limit: int, setting: str = "max_body_bytes") -> None:
+        super().__init__(413, too_large_detail(limit, setting, None))
+
+
+def too_large_detail(limit: int, setting: str, size: int | None) -> str:
+    """What a 413 says: the route's own limit is named by its setting, with the size when
+    the request declared it."""
+    if setting == "max_body_bytes":
+        return f"the body may be at most {limit} bytes"
+    what = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    return f"{setting}: the body is {what}, over the limit of {limit} bytes"
 
 
 class NulInPath:
@@ -35,10 +45,22 @@ class NulInPath:
 
 
 async def _send_problem(
-    send: Send, status: int, title: str, detail: str, instance: str, close: bool = False
+    send: Send,
+    status: int,
+    title: str,
+    detail: str,
+    instance: str,
+    close: bool = False,
+    extensions: dict[str, object] | None = None,
 ) -> None:
-    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
+    body: dict[str, object] = {
+        "type": "about:blank",
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
     body["instance"] = instance.replace("\x00", "%00")
+    body.update(extensions or {})
     data = json.dumps(body).encode()
     headers = [
         (b"content-type", MEDIA_TYPE.encode()),
@@ -50,20 +72,38 @@ async def _send_problem(
     await send({"type": "http.response.body", "body": data})
 
 
-class BodySizeLimit:
-    """Refuses a declared Content-Length over ``limit`` at once, and cuts off a body that
-    streams in (chunked) past it."""
+@dataclass(frozen=True)
+class PathLimit:
+    """A larger body limit for one route (e.g. code packages), named by its setting."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    method: str
+    path: str
+    limit: int
+    setting: str
+
+
+class BodySizeLimit:
+    """Refuses a declared Content-Length over the limit at once, and cuts off a body that
+    streams in (chunked) past it. The limit is ``limit``, or a route's own in ``larger``:
+    either way, no more than it is ever read."""
+
+    def __init__(self, app: ASGIApp, limit: int, larger: tuple[PathLimit, ...] = ()) -> None:
+        self.app, self.limit, self.larger = app, limit, larger
+
+    def _limit_of(self, scope: Scope) -> tuple[int, str]:
+        for route in self.larger:
+            if scope.get("method") == route.method and scope.get("path") == route.path:
+                return route.limit, route.setting
+        return self.limit, "max_body_bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, setting = self._limit_of(scope)
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._refuse(scope, send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._refuse(scope, send, limit, setting, int(value))
                 return
         seen = 0
         started = False
@@ -73,8 +113,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge(self.limit)
+                if seen > limit:
+                    raise BodyTooLarge(limit, setting)
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -87,14 +127,23 @@ class BodySizeLimit:
             await self.app(scope, counted_receive, tracked_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(scope, send)
+                await self._refuse(scope, send, limit, setting, None)
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
+    async def _refuse(
+        self, scope: Scope, send: Send, limit: int, setting: str, size: int | None
+    ) -> None:
+        detail = too_large_detail(limit, setting, size)
+        extensions: dict[str, object] = {}
+        if setting != "max_body_bytes":
+            extensions = {"limit": setting, "max_bytes": limit}
+            if size is not None:
+                extensions["size_bytes"] = size
         await _send_problem(
             send,
             413,
             "Request body too large",
-            f"the body may be at most {self.limit} bytes",
+            detail,
             scope.get("path", ""),
             close=True,
+            extensions=extensions,
         )

@@ -243,6 +243,15 @@ class UserLimitsOut(BaseModel):
     set: LimitsIn = Field(description="The ones an admin set for this user.")
 
 
+class CodePackageOut(BaseModel):
+    """A stored code package; a job names it by ``id`` (its spec's ``code``)."""
+
+    id: str = Field(description="The SHA-256 (hex) of the archive's bytes.")
+    size_bytes: int = Field(description="The archive's size, as uploaded.")
+    files: int = Field(description="Regular files and links in it.")
+    unpacked_bytes: int = Field(description="What its files add up to unpacked.")
+
+
 class Me(BaseModel):
     user: str
     role: str
