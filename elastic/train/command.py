@@ -48,6 +48,32 @@ from elastic.train.process_group import AttemptAbandoned, all_reduce
 
 log = logging.getLogger(__name__)
 
+# What a command may read of /etc: what the C library, Python, TLS and name lookups read;
+# not the rest (shadow files, the host's keys and service configuration).
+ETC_READABLE = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "host.conf",
+    "hosts",
+    "resolv.conf",
+    "gai.conf",
+    "services",
+    "protocols",
+    "mime.types",
+    "ssl",
+    "ca-certificates",
+    "pki",
+    "os-release",
+    "machine-id",
+    "locale.alias",
+    "alternatives",
+)
 # How often the workers agree on how their commands are doing.
 TICK_S = 0.25
 # How often rank 0 asks the supervisor whether the job stops here to grow.
@@ -105,7 +131,9 @@ def _unpack(location: str, into: Path) -> None:
         from pyarrow import fs
 
         filesystem, path = fs.FileSystem.from_uri(location)
-        with filesystem.open_input_stream(path) as stream, tempfile.TemporaryFile() as copy:
+        # No compression: pyarrow would otherwise unpack a ".gz" name on its own.
+        stream_of = filesystem.open_input_stream(path, compression=None)
+        with stream_of as stream, tempfile.TemporaryFile() as copy:
             shutil.copyfileobj(stream, copy)
             copy.seek(0)
             with tarfile.open(fileobj=copy, mode="r:gz") as archive:
@@ -180,7 +208,8 @@ def readable_roots() -> list[str]:
     ``elastic_train``'s package (``elastic_train.report``)."""
     import elastic_train
 
-    roots = {"/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", "/proc", "/sys"}
+    roots = {"/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc", "/sys"}
+    roots |= {f"/etc/{name}" for name in ETC_READABLE}
     roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
     roots |= {p for p in sysconfig.get_paths().values() if p}
     roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
@@ -248,7 +277,9 @@ def _start(
     env = {**env, command_env.REPORT_FD_ENV: str(write_fd)}
     wrapped = [sys.executable, "-I", str(CONFINE), json.dumps(rules), "--", *argv]
     if os.geteuid() == 0 and shutil.which("unshare"):
-        wrapped = ["unshare", "--pid", "--fork", "--kill-child", "--", *wrapped]
+        # Its own /proc too: the processes of other jobs, and their command lines, are not
+        # its to see (Ray finds its cluster from those of its own processes).
+        wrapped = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--", *wrapped]
     try:
         process = subprocess.Popen(
             wrapped,

@@ -1,44 +1,36 @@
-"""Command jobs: a user's script, unchanged, run by every worker with torchrun's
-environment, on a real Ray cluster through the real service."""
+"""Command jobs: a user's script, unchanged, uploaded with the job and run by every worker
+with torchrun's environment, on a real Ray cluster through the real service."""
 
 from __future__ import annotations
 
-import io
+import json
 import os
-import tarfile
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-import pytest
+import httpx
 import torch
 
-from jobs.code_store import CodeStore
+from elastic.train import command, command_env
+from elastic_train import Client
 from jobs.launcher import files_dir
 from tests.conftest import (
+    TOKEN,
+    ClusterPool,
     LiveServer,
     all_events,
+    create_user_token,
+    small_job,
     wait_for,
     wait_until_ended,
 )
 
-SCRIPT_DIR = Path(__file__).parents[1] / "workloads" / "torchrun_script"
-
-
-def _package(directory: Path) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w:gz") as archive:
-        for path in sorted(directory.rglob("*.py")):
-            archive.add(path, arcname=str(path.relative_to(directory)))
-    return out.getvalue()
-
-
-def _upload(server: LiveServer, owner: str) -> str:
-    import hashlib
-
-    data = _package(SCRIPT_DIR)
-    package_id = hashlib.sha256(data).hexdigest()
-    CodeStore(server.settings.resolved_checkpoint_dir).put(owner, package_id, data)
-    return package_id
+WORKLOADS = Path(__file__).parents[1] / "workloads"
+SCRIPT_DIR = WORKLOADS / "torchrun_script"
+PROBE_DIR = WORKLOADS / "hostile_script"
 
 
 def reference(steps: int) -> dict[str, torch.Tensor]:
@@ -61,35 +53,135 @@ def reference(steps: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def command_job(package: str, *args: str, workers: int = 2) -> dict[str, Any]:
+def command_job(*args: str, workers: int = 2) -> dict[str, Any]:
     return {
         "name": "script",
         "command": ["python", "train.py", *args],
-        "code": package,
         "scaling": {"min_workers": 1, "max_workers": workers, "cpus_per_worker": 1},
         "failure": {"max_restarts": 3, "min_workers_grace_s": 60},
     }
 
 
+def log_text(api: httpx.Client, job_id: str) -> str:
+    batches = [e["data"]["lines"] for e in all_events(api, job_id, "log")]
+    return "\n".join(line[2] for lines in batches for line in lines)
+
+
+def ended(api: httpx.Client, job_id: str, timeout: float) -> dict[str, Any]:
+    """The job's last view once it ended; its log and events in the error when it did not."""
+    try:
+        return wait_until_ended(api, job_id, timeout=timeout)
+    except AssertionError as e:
+        kinds = [(ev["kind"], ev["data"]) for ev in all_events(api, job_id) if ev["kind"] != "log"]
+        raise AssertionError(f"{e}\nevents: {kinds}\nlog:\n{log_text(api, job_id)}") from None
+
+
+def own_state(server: LiveServer, owner: str, job_id: str) -> dict[str, Any]:
+    """What the script saved in its ETRAIN_CHECKPOINT_DIR."""
+    root = server.settings.resolved_checkpoint_dir
+    return torch.load(Path(files_dir(root, owner, job_id)) / "state.pt")  # type: ignore[no-any-return]
+
+
+def assert_exact(state: dict[str, Any], steps: int) -> None:
+    assert state["step"] == steps
+    for name, value in reference(steps).items():
+        assert torch.allclose(state["model"][name], value, rtol=0, atol=1e-12), name
+
+
 def test_a_torchrun_script_runs_unchanged_on_two_workers(server: LiveServer) -> None:
-    client = server.client()
-    package = _upload(server, "admin")
-    created = client.post("/v1/jobs", json=command_job(package, "--steps", "30"))
-    assert created.status_code == 201, created.text
-    job = created.json()
-    assert job["spec"]["workload"] == "command"
-    assert job["spec"]["fault_tolerance"] == "restart"
-    final = wait_until_ended(client, job["id"], timeout=180)
-    lines = [e["data"] for e in all_events(client, job["id"], "log")]
-    text = "\n".join(line[2] for batch in lines for line in batch["lines"])
+    api = server.client()
+    with Client(server.url, TOKEN) as client:
+        job = client.submit(command_job("--steps", "30"), code=SCRIPT_DIR)
+    info = api.get(f"/v1/jobs/{job.id}").json()
+    assert info["spec"]["workload"] == "command"
+    assert info["spec"]["fault_tolerance"] == "restart"
+    final = wait_until_ended(api, job.id, timeout=180)
+    text = log_text(api, job.id)
     assert final["state"] == "succeeded", text
     assert "rank 0 of 2 starts at step 0 (restart 0)" in text
     assert "rank 1 of 2 starts at step 0 (restart 0)" in text
     assert "done at step 30" in text
-    steps = [e["data"]["step"] for e in all_events(client, job["id"], "metrics")]
-    assert steps[-1] == 30
-    state = torch.load(Path(files_dir(server.settings.resolved_checkpoint_dir, "admin", job["id"])) / "state.pt")
-    assert state["step"] == 30
-    expected = reference(30)
-    for name, value in expected.items():
-        assert torch.allclose(state["model"][name], value, rtol=0, atol=1e-12), name
+    points = [e["data"] for e in all_events(api, job.id, "metrics")]
+    assert [p["step"] for p in points if "loss" in p] == list(range(1, 31))
+    assert final["step"] == 30
+    assert_exact(own_state(server, "admin", job.id), 30)
+
+
+def test_a_torchrun_script_survives_a_node_loss_from_its_own_checkpoint(
+    server: LiveServer, ray_cluster: ClusterPool
+) -> None:
+    api = server.client()
+    steps = 60
+    with Client(server.url, TOKEN) as client:
+        spec = command_job("--steps", str(steps), "--every", "5", "--pace", "0.15", workers=3)
+        job = client.submit(spec, code=SCRIPT_DIR)
+    wait_for(
+        lambda: (j := api.get(f"/v1/jobs/{job.id}").json())["step"] >= 12 and j["world_size"] == 3,
+        120,
+        what="step 12 at 3 workers",
+    )
+    ray_cluster.kill_node(ray_cluster.pool[1])
+    final = wait_until_ended(api, job.id, timeout=240)
+    text = log_text(api, job.id)
+    assert final["state"] == "succeeded", text
+    assert final["restarts"] == 1
+    restarted = [line for line in text.splitlines() if line.startswith("rank 0 of 2 starts")]
+    assert len(restarted) == 1, text
+    resumed_at = int(restarted[0].split("at step ")[1].split(" ")[0])
+    assert resumed_at >= 10 and resumed_at % 5 == 0, restarted
+    assert restarted[0].endswith("(restart 1)")
+    assert "done at step 60" in text
+    assert final["step"] == steps
+    assert_exact(own_state(server, "admin", job.id), steps)
+
+
+def _raylet_pid() -> int:
+    found = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True)
+    return int(found.stdout.split()[0])
+
+
+def test_a_command_cannot_reach_what_is_not_its_own(server: LiveServer, tmp_path: Path) -> None:
+    """A hostile job's code tries each thing it must not do; another user's job trains on."""
+    admin = server.client()
+    bob = server.client(token=create_user_token(admin, "bob"))
+    other = bob.post("/v1/jobs", json={**small_job(max_steps=60), "name": "bystander"})
+    assert other.status_code == 201, other.text
+    root = Path(server.settings.resolved_checkpoint_dir)
+    # Another user's files, and another job's checkpoint, where the command could look.
+    others = Path(files_dir(str(root), "bob", other.json()["id"]))
+    others.mkdir(parents=True, exist_ok=True)
+    (others / "secret").write_text("bob's")
+    checkpoint = root / other.json()["id"] / "secret"
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint.write_text("bob's checkpoint")
+    database = server.settings.data_dir / "etrain.db"
+    ray_session = "/tmp/ray/session_latest/session.json"
+    secrets = [str(others / "secret"), str(checkpoint), str(database), ray_session, "/etc/shadow"]
+    marker = f"{600 + os.getpid() % 1000}.{int(time.time()) % 1000}"
+    raylet = _raylet_pid()
+    argv = ["python", "probe.py", ",".join(secrets), str(tmp_path), str(raylet), marker]
+    with Client(server.url, create_user_token(admin, "mallory")) as mallory:
+        job = mallory.submit(
+            {"name": "probe", "command": argv, "failure": {"max_restarts": 0}}, code=PROBE_DIR
+        )
+    final = ended(admin, job.id, timeout=120)
+    text = log_text(admin, job.id)
+    assert final["state"] == "succeeded", text
+    probe = json.loads(next(line for line in text.splitlines() if line.startswith("PROBE "))[6:])
+    expected_uid = (
+        command_env.uid_of("mallory") if command._reachable_by_others(sys.executable) else 0
+    )
+    assert probe["uid"] == expected_uid
+    assert probe["cap_eff"] == "0000000000000000"
+    assert probe["env"] == ["ETRAIN_CHECKPOINT_DIR", "ETRAIN_REPORT_FD"]
+    assert all(got.startswith("refused") for got in probe["read"].values()), probe["read"]
+    assert all(got.startswith("refused") for got in probe["list"].values()), probe["list"]
+    assert probe["write"].startswith("refused") and not (tmp_path / "planted").exists()
+    assert probe["write_own"] == "got: '1'"
+    assert probe["signal"].startswith("refused")
+    assert probe["ray"].startswith("refused"), probe["ray"]
+    # Nothing of the command's outlives its job.
+    left = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout
+    assert wait_until_ended(bob, other.json()["id"])["state"] == "succeeded"
+    os.kill(raylet, 0)  # the raylet the probe tried to signal runs on
