@@ -184,13 +184,14 @@ def submit(
     spec = jobfile.apply_overrides(jobfile.load(job_file), list(overrides))
     if name is not None:
         spec["name"] = name
-    with _client() as client:
-        code = None
-        if code_dir is not None:
-            from elastic_train import code_upload
+    code = None
+    if code_dir is not None:
+        from elastic_train import code_upload, protocol
 
-            code = code_upload.packed_within(code_dir)
-            click.echo(f"code: {code_upload.summary(code)}")
+        protocol.spec_body(spec)  # an invalid spec fails before the directory is packed
+        code = code_upload.packed_within(code_dir)
+        click.echo(f"code: {code_upload.summary(code)}")
+    with _client() as client:
         job = client.submit(spec, code=code)
         click.echo(job.id)
         if follow:

@@ -120,6 +120,8 @@ class _Entries:
             raise PackageRefused(
                 f"more than max_files ({self.limits.max_files}) entries", name, "max_files"
             )
+        if member.isdir() and _is_root(name):
+            return  # "./", as `tar -C dir .` writes first: the package's own directory
         path = _relative_path(name, "path")
         if member.issym() or member.islnk():
             if not member.linkname:
@@ -178,6 +180,10 @@ def _relative_path(name: str, what: str) -> str:
     if not parts:
         raise PackageRefused(f"an empty {what}", name, "path")
     return "/".join(parts)
+
+
+def _is_root(name: str) -> bool:
+    return not name.startswith("/") and all(p in ("", ".") for p in name.split("/"))
 
 
 def _has_dotdot(name: str) -> bool:

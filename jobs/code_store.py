@@ -45,7 +45,9 @@ class CodeStore:
         return f"{CODE_DIR}/{owner_key(owner)}/{package_id}{suffix}"
 
     def location(self, owner: str, package_id: str) -> str:
-        """Where a worker reads the package: a local path, or a URI under the store's."""
+        """Where a worker reads the package: a local path, or a URI under the store's (read
+        it through pyarrow.fs with ``compression=None``, which otherwise gunzips a ".gz"
+        name on the way out)."""
         relative = self._relative(owner, package_id)
         if self.remote:
             return join_location(self.root, relative)
@@ -151,7 +153,8 @@ def _object_write(uri: str, data: bytes) -> None:
     from pyarrow import fs as pafs
 
     filesystem, path = pafs.FileSystem.from_uri(uri)
-    with filesystem.open_output_stream(path) as fh:
+    # compression=None: pyarrow would otherwise gzip a ".gz" name again on the way in.
+    with filesystem.open_output_stream(path, compression=None) as fh:
         fh.write(data)
 
 
@@ -159,5 +162,5 @@ def _object_read(uri: str) -> bytes:
     from pyarrow import fs as pafs
 
     filesystem, path = pafs.FileSystem.from_uri(uri)
-    with filesystem.open_input_stream(path) as fh:
+    with filesystem.open_input_stream(path, compression=None) as fh:
         return bytes(fh.read())

@@ -392,6 +392,24 @@ def test_events_in_words(kind: str, data: dict[str, Any], text: str) -> None:
 # -- the command line ------------------------------------------------------------------------
 
 
+def test_a_code_directory_with_a_link_out_is_refused_before_anything_is_sent(
+    home: Path, tmp_path: Path
+) -> None:
+    code = tmp_path / "project"
+    code.mkdir()
+    (code / "train.py").write_text("print('hi')\n")
+    (code / "data").symlink_to("/etc")
+    result = CliRunner().invoke(
+        cli,
+        ["submit", str(ROOT / "examples" / "job.yaml"), "--code", str(code)],
+        env={config.URL_ENV: "http://127.0.0.1:9"},  # nothing is sent
+    )
+    assert (result.exit_code, result.output) == (
+        2,
+        "error: data: a link to /etc, outside the directory\n",
+    )
+
+
 def test_a_bad_set_value_is_one_line_naming_the_field_and_status_2(home: Path) -> None:
     result = CliRunner().invoke(
         cli,

@@ -60,6 +60,17 @@ def test_a_good_package_gives_its_sha256_and_sizes() -> None:
     )
 
 
+def test_an_archive_made_with_tar_c_dir_dot_is_accepted() -> None:
+    # `tar czf code.tar.gz -C project .` names the root "./" and every entry "./...".
+    data = archive(
+        entry("./", tarfile.DIRTYPE),
+        entry("./pkg", tarfile.DIRTYPE),
+        entry("./pkg/model.py", data=b"m = 1\n"),
+        entry("./model.py", tarfile.SYMTYPE, link="pkg/model.py"),
+    )
+    assert check(data, LIMITS) == CodePackage(hashlib.sha256(data).hexdigest(), len(data), 2, 6)
+
+
 @pytest.mark.parametrize(
     ("entries", "name", "message"),
     [
