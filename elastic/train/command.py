@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import logging
 import os
@@ -206,16 +207,25 @@ def readable_roots() -> list[str]:
     """What a command may read besides its own directories: the system's programs and
     libraries, Python's installation (this interpreter's, its packages'), and
     ``elastic_train``'s package (``elastic_train.report``)."""
-    import elastic_train
-
+    # Found, not imported: the client package is not the workers' to load.
+    client = importlib.util.find_spec("elastic_train")
     roots = {"/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc", "/sys"}
     roots |= {f"/etc/{name}" for name in ETC_READABLE}
     roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix}
     roots |= {p for p in sysconfig.get_paths().values() if p}
     roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
-    roots.add(str(Path(elastic_train.__file__).parent))
+    if client is not None and client.origin:
+        roots.add(str(Path(client.origin).parent))
     roots.add(str(Path(os.path.realpath(sys.executable)).parent))
     return sorted(r for r in roots if os.path.exists(r))
+
+
+def confinement(workdir: Path, files: str | None, uid: int | None) -> dict[str, Any]:
+    """``confine.py``'s rules for a command: it writes its working directory, its job's
+    own directory and devices (``/dev/shm`` for DataLoader workers), reads what
+    :func:`readable_roots` names, and runs as ``uid``."""
+    writable = [str(workdir), "/dev", *([files] if files and "://" not in files else [])]
+    return {"read": readable_roots(), "write": writable, "uid": uid, "gid": uid}
 
 
 @dataclass
@@ -366,8 +376,7 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         added["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     with _working_directory(plan, uid) as workdir:
         env = command_env.child_environment(os.environ, str(workdir), added)
-        writable = [str(workdir), "/dev", *([files] if files and "://" not in files else [])]
-        rules = {"read": readable_roots(), "write": writable, "uid": uid, "gid": uid}
+        rules = confinement(workdir, files, uid)
         points = PointMerger(lambda point: _send_point(ctx, point)) if rank == 0 else None
         argv = command_env.resolve_argv(plan.argv)
         running = _start(argv, workdir, env, rules, points)

@@ -184,3 +184,57 @@ def test_a_body_that_is_not_json_is_named_as_the_body_not_as_a_character_offset(
             "Expecting property name enclosed in double quotes)",
         }
     ]
+
+
+PACKAGE = "ab" * 32
+
+
+def command_errors(data: dict[str, Any]) -> list[tuple[str, str]]:
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate({"name": "script", **data})
+    return [(".".join(str(p) for p in e["loc"]), e["msg"]) for e in err.value.errors()]
+
+
+def test_a_command_job_runs_its_command_and_recovers_by_restart() -> None:
+    spec = JobSpec.model_validate(
+        {"name": "script", "command": ["python", "train.py", "--epochs", "3"], "code": PACKAGE}
+    )
+    assert spec.workload == "command"
+    assert spec.command == ["python", "train.py", "--epochs", "3"]
+    assert spec.code == PACKAGE
+    assert spec.fault_tolerance == "restart"
+    assert spec.stop_grace_s == 30.0
+    assert not spec.is_custom
+    # Stored and read back, it is the same job.
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec
+
+
+def test_a_job_names_one_program_and_a_package_needs_a_command() -> None:
+    assert command_errors({}) == [
+        (
+            "workload",
+            "missing: give a workload (built-in or 'package.module:function') or a command",
+        )
+    ]
+    assert command_errors({"workload": "command"}) == [
+        ("command", "missing: workload 'command' runs the spec's command")
+    ]
+    assert command_errors({"workload": "pkg.mod:fn", "command": ["python"]}) == [
+        ("command", "give a workload or a command, not both")
+    ]
+    assert command_errors({"workload": "image-classification", "code": PACKAGE}) == [
+        ("code", 'a code package runs as a command job: give command, e.g. ["python", "train.py"]')
+    ]
+    assert command_errors({"command": ["python"], "fault_tolerance": "in_place"}) == [
+        (
+            "fault_tolerance",
+            "a command job recovers by restart: its processes start again at the new size and "
+            "resume from their own checkpoint (torchrun's elastic contract)",
+        )
+    ]
+    assert [f for f, _ in command_errors({"command": []})] == ["command"]
+    assert [f for f, _ in command_errors({"command": ["a\x00b"]})] == ["command.0"]
+    assert [f for f, _ in command_errors({"command": ["python"], "code": "../x"})] == ["code"]
+    assert [f for f, _ in command_errors({"command": ["p"], "stop_grace_s": -1})] == [
+        "stop_grace_s"
+    ]
