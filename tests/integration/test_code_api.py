@@ -260,3 +260,36 @@ def test_the_python_client_uploads_a_directory(
         "train.py (14 B), pkg/util.py (6 B), .gitignore (0 B) (leave files out with "
         ".etrainignore)"
     )
+
+
+def test_a_command_job_runs_only_on_a_package_of_its_owner_who_may_submit_code(
+    live: LiveServer, admin: httpx.Client, tmp_path: Path
+) -> None:
+    """Refused at submission, so no job is made: another user's package (unknown to this
+    one), and any command job of a user whose code submission is off."""
+    p = packed(tmp_path, train__py=b"print('frank')\n")
+    assert (
+        user(live, admin, "frank").post("/v1/code", content=p.data, headers=GZIP).status_code == 201
+    )
+    grace = user(live, admin, "grace")
+    job = {"name": "script", "command": ["python", "train.py"], "code": p.content_id}
+    r = grace.post("/v1/jobs", json=job)
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"] == [
+        {
+            "field": "code",
+            "message": f"no code package {p.content_id} of yours: upload it first "
+            "(POST /v1/code, or etrain submit --code DIR)",
+        }
+    ]
+    assert admin.put("/v1/users/grace/limits", json={"code_submission": False}).status_code == 200
+    try:
+        for spec in (job, {"name": "script", "command": ["python", "-c", "print(1)"]}):
+            r = grace.post("/v1/jobs", json=spec)
+            assert r.status_code == 403, r.text
+            assert r.json()["errors"] == [
+                {"field": "code_submission", "message": "code submission is turned off for grace"}
+            ]
+    finally:
+        assert admin.put("/v1/users/grace/limits", json={}).status_code == 200
+    assert grace.get("/v1/jobs").json()["items"] == []
