@@ -313,3 +313,36 @@ def test_cancel_ends_a_job(live: LiveServer, env: dict[str, str], tmp_path: Path
         )
         listed = etrain(env, "jobs", "--state", "cancelled").stdout
         assert job_id in listed
+
+
+def test_a_users_own_directory_runs_with_one_command(env: dict[str, str], tmp_path: Path) -> None:
+    """``etrain submit job.yaml --code .`` from the user's project: a torchrun script as it
+    is, packed, uploaded and followed to its end."""
+    project = tmp_path / "project"
+    project.mkdir()
+    script = ROOT / "tests" / "workloads" / "torchrun_script" / "train.py"
+    (project / "train.py").write_bytes(script.read_bytes())
+    (project / "notes.tmp").write_text("left out")
+    (project / ".etrainignore").write_text("*.tmp\n")
+    (project / "job.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "my-script",
+                "command": ["python", "train.py", "--steps", "12"],
+                "scaling": {"min_workers": 1, "max_workers": 2},
+            }
+        )
+    )
+    done = subprocess.run(
+        [ETRAIN, "submit", "job.yaml", "--code", ".", "--follow"],
+        env=env,
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(
+        r"^code: 3 files, [\d.]+ KiB packed \(id [0-9a-f]{12}\)$", done.stdout, re.M
+    ), done.stdout
+    assert "succeeded" in done.stdout
