@@ -467,6 +467,15 @@ class TrainContext:
         size of a run of steps; returns its last step."""
         if self.model is None or self.optimizer is None:
             raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
+        if self.scheduler is None and hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            # torch marks an optimizer's step once any LR scheduler is built on it. Ours sets
+            # the rate at every step, so the loop's own would be overridden without a word.
+            raise ValueError(
+                "an LR scheduler of the loop's own is on this optimizer, and ctx.batches "
+                "sets the learning rate at every step (lr_schedule='constant' or 'cosine', "
+                "warmup_steps=N): drop it and use those, or run the script as a command job "
+                "(command: [...]), which leaves the script's scheduler as it is"
+            )
         last_step = self._final_step = total_steps(settings, dataset_size)
         schedule, warmup = settings.lr_schedule, settings.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
