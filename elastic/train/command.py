@@ -269,11 +269,13 @@ def _pump(stream: IO[bytes], out: Callable[[str], None], tail: list[str] | None)
     stream.close()
 
 
-def _relay_reports(read_fd: int, points: PointMerger) -> None:
+def _relay_reports(read_fd: int, points: PointMerger | None) -> None:
     with os.fdopen(read_fd, "rb") as pipe:
         for raw in pipe:
-            points.add_line(raw)
-    points.flush()
+            if points is not None:
+                points.add_line(raw)
+    if points is not None:
+        points.flush()
 
 
 def _start(
@@ -313,10 +315,9 @@ def _start(
             (process.stderr, lambda s: print(s, file=sys.stderr, flush=True), running.stderr_tail),
         ),
     ]
-    if points is not None:
-        pumps.append((_relay_reports, (read_fd, points)))
-    else:
-        pumps.append((lambda fd: os.close(fd), (read_fd,)))
+    # Every rank reads its pipe (a closed one would fail a report on other ranks); rank 0's
+    # points are the job's.
+    pumps.append((_relay_reports, (read_fd, points)))
     for target, args in pumps:
         thread = threading.Thread(target=target, args=args, name="etrain-command-io", daemon=True)
         thread.start()

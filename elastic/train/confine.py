@@ -92,8 +92,6 @@ def landlock(read: list[str], write: list[str]) -> str | None:
                 os.close(parent)
                 if done != 0:
                     return f"landlock_add_rule {path}: {os.strerror(ctypes.get_errno())}"
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            return f"no_new_privs: {os.strerror(ctypes.get_errno())}"
         if syscall(_RESTRICT_SELF, fd, ctypes.c_uint32(0)) != 0:
             return f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}"
     finally:
@@ -116,6 +114,9 @@ def main(argv: list[str]) -> int:
         return 2
     rules: dict[str, Any] = json.loads(argv[0])
     command = argv[2:]
+    # No program it runs gains privileges (setuid, file capabilities); Landlock needs it too.
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        print(f"[elastic-train] no_new_privs: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
     why_not = landlock(list(rules.get("read") or []), list(rules.get("write") or []))
     if why_not:
         print(f"[elastic-train] files are not confined: {why_not}", file=sys.stderr, flush=True)
