@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import torch
 
-from elastic.train import command, command_env
+from elastic.train import command_confinement, command_env
 from elastic_train import Client
 from jobs.launcher import files_dir
 from tests.conftest import (
@@ -181,9 +181,8 @@ def test_a_command_cannot_reach_what_is_not_its_own(server: LiveServer, tmp_path
     text = log_text(admin, job.id)
     assert final["state"] == "succeeded", text
     probe = json.loads(next(line for line in text.splitlines() if line.startswith("PROBE "))[6:])
-    expected_uid = (
-        command_env.uid_of("mallory") if command._reachable_by_others(sys.executable) else 0
-    )
+    reachable = command_confinement.reachable_by_others(sys.executable)
+    expected_uid = command_env.uid_of("mallory") if reachable else 0
     assert probe["uid"] == expected_uid
     assert probe["cap_eff"] == "0000000000000000"
     assert probe["env"] == ["ETRAIN_CHECKPOINT_DIR", "ETRAIN_REPORT_FD"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.train import command
+from elastic.train import command_confinement, command_process
 
 LANDLOCK = subprocess.run(
     [sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).syscall(444, None, 0, 1))"],
@@ -27,8 +27,8 @@ needs_landlock = pytest.mark.skipif(
 def confined(tmp_path: Path, code: str, **popen: object) -> subprocess.Popen[str]:
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
-    rules = command.confinement(work, None, None)
-    argv = [sys.executable, "-I", str(command.CONFINE), json.dumps(rules), "--"]
+    rules = command_confinement.confinement(work, None, None)
+    argv = [sys.executable, "-I", str(command_process.CONFINE), json.dumps(rules), "--"]
     return subprocess.Popen(
         [*argv, sys.executable, "-c", code],
         cwd=work,

@@ -1,0 +1,130 @@
+"""A command job's process on one worker: started through ``confine.py`` (in a PID
+namespace of its own where the worker may make one), its output sent on line by line, its
+reports read from a pipe, and stopped: SIGTERM, then SIGKILL."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from elastic.train import command_env
+from elastic.train.metric_points import PointMerger
+
+CONFINE = Path(__file__).with_name("confine.py")
+_PR_SET_PDEATHSIG = 1
+# The stderr lines a failed command's error quotes.
+ERROR_LINES = 5
+
+
+def _die_with_parent() -> None:
+    """In the forked child, before exec: the kernel kills it when the worker's thread that
+    started it ends, the worker killed or not."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@dataclass
+class Running:
+    """One worker's command, started."""
+
+    process: subprocess.Popen[bytes]
+    report_read: int
+    stderr_tail: list[str] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def exited(self) -> int | None:
+        return self.process.poll()
+
+    def signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM, then SIGKILL once ``grace_s`` has passed."""
+        if self.exited() is None and grace_s > 0:
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace_s)
+        if self.exited() is None:
+            self.signal(signal.SIGKILL)
+        self.process.wait()
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=5)
+
+
+def _pump(stream: IO[bytes], out: Callable[[str], None], tail: list[str] | None) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        out(line)
+        if tail is not None:
+            tail.append(line)
+            del tail[:-ERROR_LINES]
+    stream.close()
+
+
+def _relay_reports(read_fd: int, points: PointMerger | None) -> None:
+    with os.fdopen(read_fd, "rb") as pipe:
+        for raw in pipe:
+            if points is not None:
+                points.add_line(raw)
+    if points is not None:
+        points.flush()
+
+
+def start(
+    argv: list[str],
+    workdir: Path,
+    env: dict[str, str],
+    rules: dict[str, Any],
+    points: PointMerger | None,
+) -> Running:
+    read_fd, write_fd = os.pipe()
+    env = {**env, command_env.REPORT_FD_ENV: str(write_fd)}
+    wrapped = [sys.executable, "-I", str(CONFINE), json.dumps(rules), "--", *argv]
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        # Its own /proc too: the processes of other jobs, and their command lines, are not
+        # its to see (Ray finds its cluster from those of its own processes).
+        wrapped = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--", *wrapped]
+    try:
+        process = subprocess.Popen(
+            wrapped,
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=(write_fd,),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    finally:
+        os.close(write_fd)
+    running = Running(process, read_fd)
+    assert process.stdout is not None and process.stderr is not None
+    pumps: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
+        (_pump, (process.stdout, lambda s: print(s, file=sys.stdout, flush=True), None)),
+        (
+            _pump,
+            (process.stderr, lambda s: print(s, file=sys.stderr, flush=True), running.stderr_tail),
+        ),
+    ]
+    # Every rank reads its pipe (a closed one would fail a report on other ranks); rank 0's
+    # points are the job's.
+    pumps.append((_relay_reports, (read_fd, points)))
+    for target, args in pumps:
+        thread = threading.Thread(target=target, args=args, name="etrain-command-io", daemon=True)
+        thread.start()
+        running.threads.append(thread)
+    return running
