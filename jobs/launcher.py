@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,8 +205,11 @@ def files_dir(checkpoint_root: str, owner: str, job_id: str) -> str:
     return join_location(checkpoint_root, f"{FILES_DIR}/{owner_key(owner)}/{job_id}")
 
 
-def command_plan(job_id: str, spec: JobSpec, checkpoint_root: str, owner: str) -> dict[str, Any]:
-    """What every worker of a command job is given (``elastic.train.command.CommandPlan``)."""
+def command_plan(
+    job_id: str, spec: JobSpec, checkpoint_root: str, owner: str, data_roots: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What every worker of a command job is given (``elastic.train.command.CommandPlan``);
+    ``data_roots``: what the owner's code may read besides its own."""
     assert spec.command is not None
     return {
         "argv": list(spec.command),
@@ -216,6 +219,7 @@ def command_plan(job_id: str, spec: JobSpec, checkpoint_root: str, owner: str) -
         "files_dir": files_dir(checkpoint_root, owner, job_id),
         "stop_grace_s": spec.stop_grace_s,
         "max_restarts": spec.failure.max_restarts,
+        "data_roots": list(data_roots),
     }
 
 
@@ -228,6 +232,7 @@ def launch(
     resume: Resume | None = None,
     owner: str = "",
     submitted_at: float = 0.0,
+    data_roots: Sequence[str] = (),
 ) -> Any:
     """Start the job's supervisor (detached: it outlives the API process) and its loop;
     with ``resume``, a new supervisor for a job whose supervisor died."""
@@ -237,7 +242,7 @@ def launch(
     backend = spec.backend
     if spec.command is not None:
         train_loop = COMMAND_LOOP
-        train_config["command"] = command_plan(job_id, spec, checkpoint_root, owner)
+        train_config["command"] = command_plan(job_id, spec, checkpoint_root, owner, data_roots)
         # The workers' own group only agrees on how the commands are doing, on the CPU;
         # the command forms its own group, NCCL or Gloo, as its script says.
         backend = "gloo"

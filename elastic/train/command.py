@@ -64,6 +64,7 @@ class CommandPlan:
     files_dir: str | None = None  # the job's own directory, shared by its workers
     stop_grace_s: float = 30.0
     max_restarts: int = 0
+    data_roots: tuple[str, ...] = ()  # what the owner's code may read besides its own
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandPlan:
@@ -75,6 +76,7 @@ class CommandPlan:
             files_dir=d.get("files_dir"),
             stop_grace_s=float(d.get("stop_grace_s", 30.0)),
             max_restarts=int(d.get("max_restarts", 0)),
+            data_roots=tuple(str(r) for r in d.get("data_roots") or ()),
         )
 
 
@@ -185,7 +187,7 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         added["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     with _working_directory(plan, uid) as workdir:
         env = command_env.child_environment(os.environ, str(workdir), added)
-        rules = confinement(workdir, files, uid)
+        rules = confinement(workdir, files, uid, plan.data_roots)
         points = PointMerger(lambda point: _send_point(ctx, point)) if rank == 0 else None
         argv = command_env.resolve_argv(plan.argv)
         running = start(argv, workdir, env, rules, points)

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,12 @@ def readable_roots() -> list[str]:
     return sorted(r for r in roots if os.path.exists(r))
 
 
-def confinement(workdir: Path, files: str | None, uid: int | None) -> dict[str, Any]:
+def confinement(
+    workdir: Path, files: str | None, uid: int | None, data_roots: Sequence[str] = ()
+) -> dict[str, Any]:
     """``confine.py``'s rules for a command: it writes its working directory, its job's
     own directory and devices (``/dev/shm`` for DataLoader workers), reads what
-    :func:`readable_roots` names, and runs as ``uid``."""
+    :func:`readable_roots` names and its owner's ``data_roots``, and runs as ``uid``."""
     writable = [str(workdir), "/dev", *([files] if files and "://" not in files else [])]
-    return {"read": readable_roots(), "write": writable, "uid": uid, "gid": uid}
+    readable = [*readable_roots(), *data_roots]
+    return {"read": readable, "write": writable, "uid": uid, "gid": uid}

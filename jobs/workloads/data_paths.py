@@ -58,6 +58,12 @@ class DataAccess:
                 raise PathRefused(field, f"{path} overlaps the service's own files")
         return real
 
+    def readable_trees(self, user: str) -> list[str]:
+        """The roots ``user``'s own code may read whole (a command job's): those that hold
+        none of the service's files, which a rule over a whole tree could not leave out."""
+        private = [os.path.realpath(p) for p in self.private]
+        return [r for r in self.roots_of(user) if not any(within(p, r) for p in private)]
+
     def authorize_all(self, paths: Iterable[tuple[str, str]], user: str) -> dict[str, str]:
         """field -> canonical path for each (field, path); the first refusal raises."""
         return {field: self.authorize(field, path, user) for field, path in paths}

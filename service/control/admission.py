@@ -80,13 +80,16 @@ class Admission:
         wanted = spec.data_paths()
         if not wanted:
             return spec
-        access = DataAccess(
-            self.settings.data_roots, [*self.settings.private_dirs, *isolation.ray_temp_dirs()]
-        )
+        access = data_access(self.settings)
         try:
             return spec.with_data_paths(access.authorize_all(wanted, owner))
         except PathRefused as e:
             raise SpecRefused(e.field, e.message, limit="data_roots") from None
+
+
+def data_access(settings: Settings) -> DataAccess:
+    """What jobs may read: the data roots, never the service's files nor Ray's."""
+    return DataAccess(settings.data_roots, [*settings.private_dirs, *isolation.ray_temp_dirs()])
 
 
 def refused_by_cluster(spec: JobSpec, nodes: cluster.NodeTotals) -> SpecRefused | None:

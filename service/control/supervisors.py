@@ -15,6 +15,7 @@ from elastic.events import EventKind
 from elastic.job_state import JobState
 from jobs import launcher, queue
 from jobs.spec import JobSpec
+from service.control.admission import data_access
 from service.control.book import JobBook
 from service.control.records import Records
 from service.settings import Settings
@@ -91,6 +92,7 @@ class Supervisors:
                 resume,
                 job.owner,
                 job.created_at.timestamp(),
+                data_access(self.settings).readable_trees(job.owner),
             )
             self.book.handles[job.id] = handle
             return handle

@@ -23,6 +23,7 @@ from tests.conftest import (
     LiveServer,
     all_events,
     create_user_token,
+    make_settings,
     small_job,
     wait_for,
     wait_until_ended,
@@ -197,3 +198,33 @@ def test_a_command_cannot_reach_what_is_not_its_own(server: LiveServer, tmp_path
     assert left.stdout == "", left.stdout
     assert wait_until_ended(bob, other.json()["id"])["state"] == "succeeded"
     os.kill(raylet, 0)  # the raylet the probe tried to signal runs on
+
+
+def test_a_command_reads_its_owners_data_roots_and_no_one_elses(
+    ray_cluster: ClusterPool, tmp_path: Path
+) -> None:
+    users = tmp_path / "users"
+    for name in ("alice", "bob"):
+        (users / name).mkdir(parents=True)
+        (users / name / "data.txt").write_text(f"{name}'s data")
+    settings = make_settings(tmp_path / "svc", data_roots=[str(users / "{user}")])
+    with LiveServer(settings) as live:
+        admin = live.client()
+        alice = live.client(token=create_user_token(admin, "alice"))
+        read = "import sys; print('READ', open(sys.argv[1]).read())"
+        outcomes = {}
+        for whose in ("alice", "bob"):
+            spec = {
+                "name": f"reads-{whose}",
+                "command": ["python", "-c", read, str(users / whose / "data.txt")],
+                "failure": {"max_restarts": 0},
+            }
+            created = alice.post("/v1/jobs", json=spec)
+            assert created.status_code == 201, created.text
+            job_id = created.json()["id"]
+            outcomes[whose] = (ended(admin, job_id, timeout=120), log_text(admin, job_id))
+    assert outcomes["alice"][0]["state"] == "succeeded", outcomes["alice"][1]
+    assert "READ alice's data" in outcomes["alice"][1]
+    assert outcomes["bob"][0]["state"] == "failed"
+    assert "PermissionError" in outcomes["bob"][1]
+    assert "READ" not in outcomes["bob"][1]

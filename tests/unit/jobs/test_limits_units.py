@@ -549,3 +549,21 @@ def test_the_migration_makes_stored_checkpoint_paths_relative(
             assert saved.data == {"step": 10, "path": "step_0000000010"}
         finally:
             store.close()
+
+
+def test_a_users_code_reads_whole_only_the_roots_that_hold_none_of_the_services_files(
+    tmp_path: Path,
+) -> None:
+    from jobs.workloads.data_paths import DataAccess
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "users" / "alice").mkdir(parents=True)
+    (tmp_path / "all" / "service").mkdir(parents=True)
+    access = DataAccess(
+        [str(tmp_path / "shared"), str(tmp_path / "users" / "{user}"), str(tmp_path / "all")],
+        [str(tmp_path / "all" / "service")],
+    )
+    assert access.readable_trees("alice") == [
+        str(tmp_path / "shared"),
+        str(tmp_path / "users" / "alice"),
+    ]
