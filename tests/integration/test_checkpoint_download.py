@@ -127,7 +127,7 @@ def test_the_client_and_the_cli_download_the_model_and_it_loads(
 
     env = {**os.environ, "ETRAIN_URL": live.url, "ETRAIN_TOKEN": finished["token"]}
     cli = subprocess.run(
-        [sys.executable, "-c", ETRAIN, "checkpoints", "download", job_id, "-o", str(tmp_path / "cli")],
+        [sys.executable, "-c", ETRAIN, "checkpoints", "download", job_id, "-o", f"{tmp_path}/cli"],
         env=env,
         cwd=ROOT,
         capture_output=True,
