@@ -21,7 +21,15 @@ from typing import Any
 import pytest
 import torch
 
-from elastic_train import AsyncClient, CheckpointCorrupt, Client, Conflict, NotFound
+from elastic_train import (
+    AsyncClient,
+    CheckpointCorrupt,
+    Client,
+    Conflict,
+    ElasticTrainError,
+    Job,
+    NotFound,
+)
 from elastic_train.checkpoint_download import unpack
 from jobs.workloads.image_classification import build_model
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
@@ -109,7 +117,7 @@ def test_the_client_and_the_cli_download_the_model_and_it_loads(
         older = client.job(job_id).download_checkpoint(20, tmp_path / "older")
         assert older == tmp_path / "older" / f"{job_id}-step-20"
         # Never over what is there: a second download of the same step is refused.
-        with pytest.raises(Exception, match="already exists"):
+        with pytest.raises(ElasticTrainError, match="already exists"):
             client.job(job_id).download_checkpoint(30, tmp_path)
     for path, step in ((newest, 30), (older, 20)):
         assert files_under(path) == files_under(stored(live, job_id, step))
@@ -157,13 +165,16 @@ def test_only_the_owner_and_admins_download_and_unknown_steps_are_404(
     assert bob.get("/v1/jobs/no-such-job/checkpoints/30/download").json()["detail"] == (
         "no job 'no-such-job'"
     )
+    # Bob's client, holding Alice's job as she sees it, gets the same answer.
     with (
-        Client(live.url, bob.headers["authorization"][7:]) as client,
-        pytest.raises(NotFound) as e,
+        Client(live.url, finished["token"]) as alices,
+        Client(live.url, bob.headers["authorization"][7:]) as bobs,
     ):
-        client._download(f"/v1/jobs/{job_id}/checkpoints/30/download", tmp_path / "bob.tar")
+        as_alice_sees_it = alices.job(job_id).info
+        with pytest.raises(NotFound) as e:
+            Job(bobs, as_alice_sees_it).download_checkpoint(30, tmp_path)
     assert e.value.detail == f"no job {job_id!r}"
-    assert not (tmp_path / "bob.tar").exists()
+    assert list(tmp_path.iterdir()) == []
 
     alice = live.client(finished["token"])
     for step in (10, 25):  # 10: removed by retention; 25: never saved
@@ -172,8 +183,9 @@ def test_only_the_owner_and_admins_download_and_unknown_steps_are_404(
         assert r.json()["detail"] == f"no checkpoint at step {step} of job {job_id!r}"
         assert r.json()["step"] == step
     assert alice.get(f"/v1/jobs/{job_id}/checkpoints/-1/download").status_code == 422
-    with Client(live.url, finished["token"]) as client, pytest.raises(NotFound):
+    with Client(live.url, finished["token"]) as client, pytest.raises(NotFound) as e:
         client.job(job_id).download_checkpoint(10, tmp_path)
+    assert e.value.detail == f"no checkpoint at step 10 of job {job_id!r}"
     assert list(tmp_path.iterdir()) == []
 
 
