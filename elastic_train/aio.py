@@ -11,8 +11,10 @@ iterators, for notebooks and asyncio services.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -20,7 +22,7 @@ from httpx_sse import EventSource
 
 from elastic.events import EventKind
 from elastic.job_state import JobState
-from elastic_train import code_upload, config, protocol
+from elastic_train import checkpoint_download, code_upload, config, protocol
 from elastic_train.client import USER_AGENT
 from elastic_train.code_upload import CodeSource
 from elastic_train.errors import ConnectionFailed, PayloadTooLarge, from_problem
@@ -131,6 +133,25 @@ class AsyncClient:
 
     async def _job_info(self, job_id: str) -> JobInfo:
         return JobInfo.model_validate(await self.request("GET", protocol.job_path(job_id)))
+
+    async def _download(self, path: str, target: Path) -> None:
+        """As :meth:`Client._download`."""
+        try:
+            async with self._http.stream(
+                "GET", path, timeout=protocol.download_timeout(self.timeout)
+            ) as response:
+                if response.is_error:
+                    await response.aread()
+                    raise from_problem(
+                        response.status_code, response.content, dict(response.headers)
+                    )
+                with target.open("wb") as fh:
+                    async for block in response.aiter_raw(1 << 20):
+                        fh.write(block)
+        except httpx.TransportError as e:
+            raise ConnectionFailed(
+                self.url, f"the download ended early ({protocol.transport_reason(e)})"
+            ) from None
 
     async def _event_pages(
         self, path: str, after: int, params: dict[str, Any]
@@ -264,6 +285,18 @@ class AsyncJob:
     async def checkpoints(self) -> list[Checkpoint]:
         answer = await self.client.request("GET", protocol.job_path(self.id, "checkpoints"))
         return [Checkpoint.model_validate(item) for item in answer["items"]]
+
+    async def download_checkpoint(
+        self, step: int | None = None, into: str | os.PathLike[str] = "."
+    ) -> Path:
+        """As :meth:`Job.download_checkpoint`; the unpacking and hashing run in a thread."""
+        if step is None:
+            step = checkpoint_download.newest_step(self.id, await self.checkpoints())
+        dest = checkpoint_download.destination(into, self.id, step)
+        with checkpoint_download.staging(dest) as stage:
+            archive = stage / checkpoint_download.ARCHIVE
+            await self.client._download(protocol.download_path(self.id, step), archive)
+            return await asyncio.to_thread(checkpoint_download.unpack, archive, stage, dest)
 
     async def cancel(self) -> AsyncJob:
         answer = await self.client.request("POST", protocol.job_path(self.id, "cancel"))

@@ -311,10 +311,25 @@ def cancel(job_id: str) -> None:
     click.echo(f"{job.id} {job.state.value}")
 
 
-@cli.command()
+class ListByDefault(click.Group):
+    """``etrain checkpoints JOB_ID`` lists (as it did before it had subcommands);
+    ``etrain checkpoints download JOB_ID`` downloads."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ctx.help_option_names):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@cli.group(cls=ListByDefault)
+def checkpoints() -> None:
+    """A job's checkpoints: list them (`etrain checkpoints JOB_ID`), or download one."""
+
+
+@checkpoints.command("list")
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def checkpoints(job_id: str, as_json: bool) -> None:
+def list_checkpoints(job_id: str, as_json: bool) -> None:
     """List a job's retained checkpoints, oldest first."""
     from elastic_train.render import clock, size
 
@@ -331,6 +346,26 @@ def checkpoints(job_id: str, as_json: bool) -> None:
     for c in found:
         table.add_row(*_cells(str(c.step), size(c.size_bytes), clock(c.created_at), c.path))
     _console().print(table)
+
+
+@checkpoints.command()
+@click.argument("job_id")
+@click.option("--step", type=click.IntRange(min=0), help="The checkpoint's step (default: newest).")
+@click.option(
+    "-o",
+    "--output",
+    "into",
+    type=click.Path(file_okay=False),
+    default=".",
+    show_default=True,
+    help="Where to put the <job id>-step-<step> directory.",
+)
+def download(job_id: str, step: int | None, into: str) -> None:
+    """Download a checkpoint (its manifest.json and parts, each checked against the
+    manifest's SHA-256) and print the directory it is in."""
+    with _client() as client:
+        where = client.job(job_id).download_checkpoint(step, into)
+    click.echo(str(where))
 
 
 def main(argv: list[str] | None = None) -> int:

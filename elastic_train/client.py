@@ -11,8 +11,10 @@ print(job.wait())                       # JobState.SUCCEEDED
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -20,7 +22,7 @@ from httpx_sse import EventSource
 
 from elastic.events import EventKind
 from elastic.job_state import JobState
-from elastic_train import code_upload, config, protocol
+from elastic_train import checkpoint_download, code_upload, config, protocol
 from elastic_train.code_upload import CodeSource
 from elastic_train.errors import ConnectionFailed, PayloadTooLarge, from_problem
 from elastic_train.models import (
@@ -148,6 +150,27 @@ class Client:
 
     def _job_info(self, job_id: str) -> JobInfo:
         return JobInfo.model_validate(self.request("GET", protocol.job_path(job_id)))
+
+    def _download(self, path: str, target: Path) -> None:
+        """GET ``path`` into the file ``target``, a block at a time (never whole in memory)."""
+        try:
+            with self._http.stream(
+                "GET", path, timeout=protocol.download_timeout(self.timeout)
+            ) as response:
+                if response.is_error:
+                    response.read()
+                    raise from_problem(
+                        response.status_code, response.content, dict(response.headers)
+                    )
+                with target.open("wb") as fh:
+                    for block in response.iter_raw(1 << 20):
+                        fh.write(block)
+        except httpx.TransportError as e:
+            # A body short of its Content-Length lands here too: the service ends the
+            # stream when a part changes while it is sent.
+            raise ConnectionFailed(
+                self.url, f"the download ended early ({protocol.transport_reason(e)})"
+            ) from None
 
     # -- event streams ----------------------------------------------------------------
 
@@ -284,6 +307,22 @@ class Job:
     def checkpoints(self) -> list[Checkpoint]:
         answer = self.client.request("GET", protocol.job_path(self.id, "checkpoints"))
         return [Checkpoint.model_validate(item) for item in answer["items"]]
+
+    def download_checkpoint(
+        self, step: int | None = None, into: str | os.PathLike[str] = "."
+    ) -> Path:
+        """Download checkpoint ``step`` (the newest when None) into
+        ``into/<job id>-step-<step>/`` (its ``manifest.json`` and parts) and return that
+        directory. Every part is checked against the manifest's size and SHA-256 here:
+        :class:`CheckpointCorrupt` when one differs, and nothing is kept. An existing
+        directory of that name is never overwritten."""
+        if step is None:
+            step = checkpoint_download.newest_step(self.id, self.checkpoints())
+        dest = checkpoint_download.destination(into, self.id, step)
+        with checkpoint_download.staging(dest) as stage:
+            archive = stage / checkpoint_download.ARCHIVE
+            self.client._download(protocol.download_path(self.id, step), archive)
+            return checkpoint_download.unpack(archive, stage, dest)
 
     def cancel(self) -> Job:
         """Ask the service to cancel the job (Conflict if it has already ended)."""

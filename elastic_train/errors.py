@@ -45,6 +45,20 @@ class CodeTooLarge(ElasticTrainError):
         super().__init__(f"{reason}{hint} (leave files out with .etrainignore)")
 
 
+class NoCheckpoint(ElasticTrainError):
+    """The job has no checkpoint to download (none saved yet)."""
+
+
+class CheckpointCorrupt(ElasticTrainError):
+    """A downloaded checkpoint does not match its manifest (``part`` names what differs):
+    nothing of it was kept."""
+
+    def __init__(self, part: str, reason: str) -> None:
+        self.part = part
+        self.reason = reason
+        super().__init__(f"the downloaded checkpoint is corrupt: {part} {reason}; nothing was kept")
+
+
 def _size(n: int) -> str:
     from elastic_train.render import size
 

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 # keep-alive comment every ETRAIN_SSE_KEEPALIVE_S (15 s by default).
 STREAM_READ_TIMEOUT_S = 60.0
 # Server answers on a stream that mean "try again shortly" (a proxy while the API restarts).
+# A checkpoint download waits while the service hashes every part before the first byte
+# (a few seconds a gigabyte): its reads may take that long, not the client's usual timeout.
+DOWNLOAD_READ_TIMEOUT_S = 600.0
 RETRYABLE_STATUS = frozenset({502, 503, 504})
 PAGE_SIZE = 1000
 JOBS_PAGE_SIZE = 100
@@ -150,3 +153,13 @@ def stream_timeout(deadline: float | None, connect: float) -> httpx.Timeout:
     left = check_deadline(deadline)
     read = STREAM_READ_TIMEOUT_S if left is None else min(STREAM_READ_TIMEOUT_S, left)
     return httpx.Timeout(connect, read=read)
+
+
+def download_timeout(timeout: float) -> httpx.Timeout:
+    import httpx
+
+    return httpx.Timeout(timeout, read=max(timeout, DOWNLOAD_READ_TIMEOUT_S))
+
+
+def download_path(job_id: str, step: int) -> str:
+    return job_path(job_id, "checkpoints", str(step), "download")

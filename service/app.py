@@ -19,7 +19,7 @@ from service import dashboard, deps, metrics, problems
 from service.auth import BOOTSTRAP_ADMIN, RateLimiter, resolve_admin_token
 from service.control import JobControl
 from service.limits import BodySizeLimit, NulInPath, PathLimit
-from service.routes import cluster, code, health, jobs, users
+from service.routes import checkpoints, cluster, code, health, jobs, users
 from service.settings import Settings
 from service.store import Store
 from service.streams import Hub
@@ -46,7 +46,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes, larger=(code_body,))
     app.add_middleware(NulInPath)
     app.add_middleware(metrics.HttpMetrics, metrics=services.metrics)  # outermost: sees all
-    for router in (jobs.router, code.router, users.router, cluster.router, metrics.router):
+    for router in (
+        jobs.router,
+        checkpoints.router,
+        code.router,
+        users.router,
+        cluster.router,
+        metrics.router,
+    ):
         app.include_router(router)
     health.install(app)
     # Swagger UI from the PyPI package's files: /docs works with no internet.

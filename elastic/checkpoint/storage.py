@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,11 @@ class CheckpointStorage(Protocol):
 
     def part_digest(self, name: str, part: str) -> tuple[int, str] | None:
         """(size, SHA-256) of one part, or None when it is missing."""
+        ...
+
+    def open_part(self, name: str, part: str) -> IO[bytes]:
+        """One part (or the manifest) opened for reading from its start, for a reader that
+        streams it rather than holding it whole; FileNotFoundError when it is missing."""
         ...
 
     def part_stamp(self, name: str, part: str) -> tuple[int, int] | None:
@@ -150,6 +155,9 @@ class LocalCheckpointStorage:
         if not path.is_file():
             return None
         return path.stat().st_size, sha256_of(path)
+
+    def open_part(self, name: str, part: str) -> IO[bytes]:
+        return (self.root / name / part).open("rb")
 
     def part_stamp(self, name: str, part: str) -> tuple[int, int] | None:
         try:
@@ -325,6 +333,11 @@ class ObjectCheckpointStorage:
         except (FileNotFoundError, OSError):
             return None
         return size, digest.hexdigest()
+
+    def open_part(self, name: str, part: str) -> IO[bytes]:
+        # pyarrow's NativeFile is a binary file object (read, close, context manager).
+        stream: IO[bytes] = self.fs.open_input_stream(self._key(name, part))
+        return stream
 
     def part_stamp(self, name: str, part: str) -> tuple[int, int] | None:
         from pyarrow import fs as pafs

@@ -45,7 +45,7 @@ from service.store import JobRow, Store, event_dict
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=PROBLEM_RESPONSES)
 
 
-def _job(store: Store, job_id: str, caller: Caller) -> JobRow:
+def visible_job(store: Store, job_id: str, caller: Caller) -> JobRow:
     """The job, if the caller may see it: another user's job is as absent as a missing one,
     so that ids cannot be probed."""
     job = store.get_job(job_id)
@@ -110,14 +110,14 @@ def list_jobs(
 
 @router.get("/jobs/{job_id}", response_model=JobOut, summary="One job")
 def get_job(job_id: str, store: StoreDep, caller: CallerDep) -> JobOut:
-    return JobOut.model_validate(_job(store, job_id, caller))
+    return JobOut.model_validate(visible_job(store, job_id, caller))
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, summary="Cancel a job")
 async def cancel_job(
     job_id: str, store: StoreDep, control: ControlDep, caller: CallerDep
 ) -> JobOut:
-    await asyncio.to_thread(_job, store, job_id, caller)
+    await asyncio.to_thread(visible_job, store, job_id, caller)
     return JobOut.model_validate(await control.cancel(job_id))
 
 
@@ -127,7 +127,7 @@ async def cancel_job(
     summary="The job's retained checkpoints, oldest first",
 )
 def list_checkpoints(job_id: str, store: StoreDep, caller: CallerDep) -> CheckpointList:
-    _job(store, job_id, caller)
+    visible_job(store, job_id, caller)
     return CheckpointList.model_validate({"items": store.checkpoints(job_id)})
 
 
@@ -239,7 +239,7 @@ async def list_events(
     kind: Annotated[list[Annotated[str, Query(max_length=32)]] | None, Query(max_length=20)] = None,
 ) -> Any:
     store = services.store
-    await asyncio.to_thread(_job, store, job_id, caller)
+    await asyncio.to_thread(visible_job, store, job_id, caller)
     kinds = tuple(kind) if kind else None
     if _wants_sse(request):
         return _job_stream(request, services, caller, job_id, after, kinds)
@@ -264,7 +264,7 @@ def get_metrics(
     every: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
     points: Annotated[int | None, Query(ge=2, le=100_000)] = None,
 ) -> MetricSeries:
-    _job(store, job_id, caller)
+    visible_job(store, job_id, caller)
     if every is not None and points is not None:
         raise Problem(400, "Invalid request", "every, points: give one of them, not both")
     total, columns = store.metrics(job_id, every=every, points=points)
@@ -291,7 +291,7 @@ async def get_logs(
     follow: bool = False,
 ) -> Any:
     store = services.store
-    await asyncio.to_thread(_job, store, job_id, caller)
+    await asyncio.to_thread(visible_job, store, job_id, caller)
     if follow:
         return _job_stream(request, services, caller, job_id, after, (EventKind.LOG,))
     events = await asyncio.to_thread(store.events, job_id, after, limit, ("log",))
