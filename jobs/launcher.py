@@ -280,6 +280,7 @@ def launch(
         owner=owner,
         priority=spec.priority_value,
         submitted_at=submitted_at,
+        own_checkpoints=spec.command is not None,
     )
     options: dict[str, Any] = {
         "name": plan.actor_name,

@@ -99,6 +99,7 @@ class JobLoop:
         self.storage_check = storage_check
         self.state = JobState(plan.initial_state)
         self.restarts = RestartPolicy(plan.max_restarts)
+        self.furthest_step = plan.last_step  # see ``SupervisorPlan.own_checkpoints``
         self.attempt: Attempt | None = None
         self.recovery: Recovery | None = None
         self.reservation: Reservation | None = None
@@ -367,7 +368,10 @@ class JobLoop:
                 reason=reason,
             )
             self._emit(loss.KIND, loss.data())
-        decision = self.restarts.decide(cause, attempt.saved_checkpoint)
+        further = attempt.completed_step > self.furthest_step
+        self.furthest_step = max(self.furthest_step, attempt.completed_step)
+        progressed = attempt.saved_checkpoint or (further and self.plan.own_checkpoints)
+        decision = self.restarts.decide(cause, progressed)
         if not decision.retry:
             await self._drop_reservation()
             self._set_state(JobState.FAILED, reason=f"{reason} ({decision.reason})")

@@ -48,3 +48,6 @@ class SupervisorPlan:
     owner: str = ""
     priority: int = 50
     submitted_at: float = 0.0
+    # The job's code keeps its own checkpoints (a command job): none of ours tell its
+    # progress, so an attempt that gets further than any before it is progress.
+    own_checkpoints: bool = False

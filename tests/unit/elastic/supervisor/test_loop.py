@@ -1144,3 +1144,25 @@ def test_a_workers_news_that_ray_delivers_swapped_is_logged_in_the_order_it_was_
         await h.finish()
 
     run(body)
+
+
+def test_a_job_without_checkpoints_of_ours_progresses_by_getting_further() -> None:
+    """A command job's script keeps its own checkpoints: an attempt that reached a step no
+    earlier one had is progress, and the failures before it are forgiven; one that did not
+    get further counts against max_restarts."""
+
+    async def body() -> None:
+        h = Harness(FakeCluster(1), max_restarts=1, own_checkpoints=True)
+        h.start()
+        for attempt, step in enumerate((5, 9, 14, 20), start=1):
+            await h.workers_start(attempt, step=step)
+            h.runner.end(AttemptOutcome("rank 0: CommandFailed: exited with status 1"))
+        await h.workers_start(5, step=20)  # no further: 1st in a row, retried
+        h.runner.end(AttemptOutcome("rank 0: CommandFailed: exited with status 1"))
+        await h.workers_start(6, step=20)  # 2nd in a row: gives up
+        h.runner.end(AttemptOutcome("rank 0: CommandFailed: exited with status 1"))
+        await h.finish()
+        assert h.loop.state == "failed"
+        assert len(h.runner.specs) == 6
+
+    run(body)
