@@ -1,0 +1,115 @@
+"""``etrain run-local``: a command job on this machine, as a user runs it (the venv's
+console script), its processes real DDP on Gloo over loopback."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+from elastic_train.run_local import environments
+
+ROOT = Path(__file__).resolve().parents[3]
+ETRAIN = str(Path(sys.executable).parent / "etrain")
+SCRIPT = ROOT / "tests" / "workloads" / "torchrun_script" / "train.py"
+
+
+def test_each_local_worker_gets_torchruns_variables_for_one_node() -> None:
+    envs = environments(2, {"PATH": "/bin"}, "/ck", 29400)
+    assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) for e in envs] == [
+        ("0", "0", "0"),
+        ("1", "1", "0"),
+    ]
+    assert {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("127.0.0.1", "29400")}
+    assert {e["ETRAIN_CHECKPOINT_DIR"] for e in envs} == {"/ck"}
+    assert {e["PATH"] for e in envs} == {"/bin"}
+
+
+def project(tmp_path: Path, *args: str) -> Path:
+    shutil.copy(SCRIPT, tmp_path / "train.py")
+    spec = {"name": "local", "command": ["python", "train.py", *args]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path
+
+
+def test_a_script_runs_on_two_local_workers_then_resumes_from_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    root = project(tmp_path, "--steps", "6", "--every", "3")
+    done = subprocess.run(
+        [ETRAIN, "run-local", "job.yaml", "--workers", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "[rank 0] rank 0 of 2 starts at step 0 (restart 0)" in lines
+    assert "[rank 1] rank 1 of 2 starts at step 0 (restart 0)" in lines
+    points = [line for line in lines if line.startswith("[metrics] ")]
+    assert [p.split()[1] for p in points] == [f"step={s}" for s in range(1, 7)]
+    state = torch.load(root / ".etrain-local" / "local" / "state.pt")
+    assert state["step"] == 6
+
+    # A longer run from the same directory resumes where the first ended, as a restart would.
+    more = subprocess.run(
+        [
+            ETRAIN,
+            "run-local",
+            "job.yaml",
+            "--workers",
+            "1",
+            "--set",
+            "command=[python, train.py, --steps, '8']",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert more.returncode == 0, more.stdout + more.stderr
+    assert "[rank 0] rank 0 of 1 starts at step 6 (restart 0)" in more.stdout.splitlines()
+
+
+def test_the_first_failed_process_ends_the_others_and_its_status_is_the_runs(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "job.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "fails",
+                "command": [
+                    "python",
+                    "-c",
+                    "import os, sys, time; r = int(os.environ['RANK']); "
+                    "time.sleep(0.5) if r == 1 else time.sleep(600); sys.exit(7)",
+                ],
+                "stop_grace_s": 1,
+            }
+        )
+    )
+    done = subprocess.run(
+        [ETRAIN, "run-local", "job.yaml", "--workers", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 7, done.stdout + done.stderr
+
+
+def test_a_workload_job_is_for_the_service(tmp_path: Path) -> None:
+    example = str(ROOT / "examples" / "job.yaml")
+    done = subprocess.run(
+        [ETRAIN, "run-local", example], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: run-local runs command jobs (command: [...]); a workload runs on the service"
+    )
