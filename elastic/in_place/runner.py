@@ -29,6 +29,7 @@ from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
 from elastic.in_place.watchdog import POLL_S, LighthouseStatus, LossDetector
 from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.runner import AttemptSpec, RunningAttempt, placement
+from elastic.train.entrypoint import EntrypointError
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,10 @@ class InPlaceRunner:
                         if index >= spec.world_size and "no healthy peer" in str(e):
                             continue  # a joiner that came too late never trains alone
                         await self._settle(runs)
-                        return AttemptOutcome(f"replica {index}: {str(e).splitlines()[-1]}")
+                        return AttemptOutcome(
+                            f"replica {index}: {str(e).splitlines()[-1]}",
+                            code_error=isinstance(getattr(e, "cause", None), EntrypointError),
+                        )
                     finally:
                         self._drop(index)
                     if fut.result() == "left":

@@ -90,6 +90,7 @@ class Ending:
     errors: list[tuple[float, int, str]] = field(default_factory=list)
     dead: set[int] = field(default_factory=set)
     failed_at: float | None = None  # monotonic: the first failure the runner saw
+    code_error: bool = False  # a worker could not load the job's code
 
     def failed(self, now: float) -> None:
         if self.failed_at is None:
@@ -100,7 +101,9 @@ class Ending:
             return AttemptOutcome(None, sorted(self.dead))
         if self.errors:
             _, rank, text = min(self.errors, key=lambda e: e[0])
-            return AttemptOutcome(f"rank {rank}: {text}"[:1000], sorted(self.dead))
+            return AttemptOutcome(
+                f"rank {rank}: {text}"[:1000], sorted(self.dead), code_error=self.code_error
+            )
         if self.dead:
             rank = min(self.dead)
             return AttemptOutcome(
@@ -438,6 +441,7 @@ class WarmPoolRunner:
             return
         if result["error"] is not None:
             ending.errors.append((result["failed_at"] or time.time(), rank, result["error"]))
+            ending.code_error |= bool(result.get("code_error"))
             ending.failed(time.monotonic())
         if result["clean"]:
             self._return_finished({rank})

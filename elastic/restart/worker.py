@@ -22,7 +22,7 @@ import ray
 
 from elastic.arrivals import Outbox
 from elastic.events import EventKind
-from elastic.train.entrypoint import last_line, resolve
+from elastic.train.entrypoint import EntrypointError, last_line, resolve
 from elastic.train.group_sockets import GroupSockets
 from elastic.train.orphan import die_with_parent
 from elastic.train.worker_logs import FLUSH_S, LOG_FLUSH_S, forward_output
@@ -190,6 +190,7 @@ class WarmWorker:
                         self.group.shut()
                     text = last_line(str(e))
                     result["error"] = f"{type(e).__name__}: {text}" if text else type(e).__name__
+                    result["code_error"] = isinstance(e, EntrypointError)
                     traceback.print_exc()  # into the job's log
                 finally:
                     with contextlib.suppress(Exception):

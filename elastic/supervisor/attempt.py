@@ -20,6 +20,7 @@ class EndCause(StrEnum):
     FINISHED = "finished"  # the training loop returned
     PAUSED = "paused"  # stopped at a checkpoint so that the job can grow
     ERROR = "error"  # the training loop raised, on some rank
+    CODE_ERROR = "code_error"  # the job's code could not be loaded: no retry can help
     NODE_LOST = "node_lost"  # a node it ran on left the cluster, or a worker process died
     START_TIMEOUT = "start_timeout"  # its workers were not all placed in time
     CANCELLED = "cancelled"
@@ -31,6 +32,8 @@ class AttemptOutcome:
 
     error: str | None = None
     dead_ranks: list[int] = field(default_factory=list)
+    # The error is the job's code failing to load (elastic.train.entrypoint.EntrypointError).
+    code_error: bool = False
 
 
 @dataclass

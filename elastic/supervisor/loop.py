@@ -287,6 +287,7 @@ class JobLoop:
             attempt.shrink is not None,
             found,
             self._drained(attempt),
+            outcome.code_error,
         )
         attempt.paused_at = end.paused_at
         if end.left_drained:  # the checkpoint it paused at is verified like any other

@@ -53,6 +53,7 @@ def decide_end(
     shrinking: bool,
     lost: Collection[str],
     drained: Collection[str],
+    code_error: bool = False,
 ) -> EndDecision:
     """``stopped_as``: why the supervisor stopped the attempt, if it did; ``error``: what
     its workers reported, if anything failed; ``shrinking``: the scheduler shrank it (in
@@ -68,7 +69,11 @@ def decide_end(
         return EndDecision(cause, frozenset(), paused_at)
     if lost and paused_at is not None and set(lost) <= set(drained):
         return EndDecision(EndCause.PAUSED, frozenset(), paused_at, left_drained=True)
-    return EndDecision(EndCause.NODE_LOST if lost else EndCause.ERROR, frozenset(lost), paused_at)
+    if lost:
+        return EndDecision(EndCause.NODE_LOST, frozenset(lost), paused_at)
+    return EndDecision(
+        EndCause.CODE_ERROR if code_error else EndCause.ERROR, frozenset(), paused_at
+    )
 
 
 # -- restart or give up ------------------------------------------------------------------
@@ -108,6 +113,8 @@ class RestartPolicy:
     def decide(self, cause: EndCause, progressed: bool) -> RestartDecision:
         """``progressed``: the attempt that ended saved a checkpoint, so it does not count,
         and the failures before it are forgiven."""
+        if cause == EndCause.CODE_ERROR:
+            return RestartDecision(False, "its code cannot be loaded: not retried")
         if progressed:
             self.counts.clear()
         if progressed or cause not in self.limits:

@@ -13,7 +13,15 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+class EntrypointError(RuntimeError):
+    """The entrypoint cannot be loaded (its module does not import, or has no such name):
+    the same on every worker and every attempt, so the job fails at once."""
+
+
 def resolve(entrypoint: str) -> Any:
     """The object an entrypoint ``module:name`` names, its module imported."""
     module, _, name = entrypoint.partition(":")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, SyntaxError) as e:
+        raise EntrypointError(f"cannot load {entrypoint}: {type(e).__name__}: {e}") from e

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 
-from jobs import cluster, isolation, launcher, memory
+from jobs import cluster, entrypoints, isolation, launcher, memory
 from jobs.code_store import CodeStore
 from jobs.spec import JobSpec
 from jobs.workloads.data_paths import DataAccess, PathRefused
@@ -64,6 +65,9 @@ class Admission:
                 detail=f"module {module!r} is not on this service's "
                 "allow-list of entrypoint modules (ETRAIN_ENTRYPOINT_MODULES)",
             )
+        why_not = entrypoints.problem(workload, sys.path)
+        if why_not is not None:
+            raise SpecRefused("workload", why_not)
 
     def _check_code(self, spec: JobSpec, owner: str) -> None:
         """The package a command job names is one of its owner's (another's is unknown)."""

@@ -1166,3 +1166,21 @@ def test_a_job_without_checkpoints_of_ours_progresses_by_getting_further() -> No
         assert len(h.runner.specs) == 6
 
     run(body)
+
+
+def test_a_job_whose_code_cannot_load_fails_at_once() -> None:
+    """A misspelt function or a module that does not import fails every attempt alike: the
+    job fails on the first, with the workers' message, whatever max_restarts allows."""
+
+    async def body() -> None:
+        h = Harness(FakeCluster(2), max_restarts=3)
+        h.start()
+        await h.attempt(1)
+        error = "rank 0: EntrypointError: cannot load m:f: AttributeError: no attribute 'f'"
+        h.runner.end(AttemptOutcome(error, code_error=True))
+        await h.finish()
+        assert h.loop.state == "failed"
+        assert h.of("state")[-1]["reason"] == f"{error} (its code cannot be loaded: not retried)"
+        assert len(h.runner.specs) == 1
+
+    run(body)
