@@ -176,7 +176,10 @@ class WarmWorker:
                     )
                     if abandoned.is_set():  # given up while it joined: see ``abandon``
                         self.group.shut()
-                    worker = WorkerContext.from_config(config, rank, world_size, _device())
+                    # A command job's GPUs are its command's: the worker makes no CUDA context
+                    # there (it would hold the GPU's memory beside the command).
+                    device = torch.device("cpu") if "command" in config else _device()
+                    worker = WorkerContext.from_config(config, rank, world_size, device)
                     worker.abandoned = abandoned
                     run_with_context(resolve(meta["train_loop"]), config, worker)
                 except AttemptAbandoned:
