@@ -220,6 +220,7 @@ def command_plan(
         "stop_grace_s": spec.stop_grace_s,
         "max_restarts": spec.failure.max_restarts,
         "data_roots": list(data_roots),
+        "requirements": list(spec.requirements),
     }
 
 

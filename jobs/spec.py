@@ -6,6 +6,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -30,6 +31,21 @@ MIN_PRIORITY, MAX_PRIORITY = 0, 1000
 PriorityClass = Literal["low", "normal", "high"]
 # What a command job's ``workload`` reads: its ``command`` is what runs.
 COMMAND_WORKLOAD = "command"
+
+
+def _requirement(text: str) -> str:
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        Requirement(text)
+    except InvalidRequirement as e:
+        raise ValueError(
+            f"not a requirement pip takes (PEP 508): {str(e).splitlines()[0]}"
+        ) from None
+    return text
+
+
+RequirementSpec = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_requirement)]
 CommandArgument = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
 
 
@@ -214,6 +230,13 @@ class JobSpec(BaseModel):
         pattern=r"^[0-9a-f]{64}$",
         description="The id of the job's code package (POST /v1/code, or etrain submit "
         "--code DIR): the command's working directory on every worker.",
+    )
+    requirements: list[RequirementSpec] = Field(
+        default_factory=list,
+        max_length=100,
+        description="Packages a command job's processes need (PEP 508, as pip takes them: "
+        "'numpy>=2', 'tensorflow==2.*'), installed on each node before the command, with the "
+        "package's requirements.txt.",
     )
     stop_grace_s: float = Field(
         30.0,
@@ -412,6 +435,14 @@ class JobSpec(BaseModel):
                     "JobSpec",
                     "command",
                     f"missing: workload {COMMAND_WORKLOAD!r} runs the spec's command",
+                )
+            if data.get("requirements"):
+                raise field_error(
+                    "JobSpec",
+                    "requirements",
+                    "requirements are installed for a command job: give command, or install "
+                    "them on the workers",
+                    data.get("requirements"),
                 )
             if data.get("code") is not None:
                 raise field_error(

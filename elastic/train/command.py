@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import shutil
 import socket
 import tarfile
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.events import COMMANDS_STARTED, EventKind
-from elastic.train import command_env
+from elastic.train import command_env, command_requirements
 from elastic.train.command_confinement import confinement, unprivileged_uid
 from elastic.train.command_process import Running, start
 from elastic.train.context import PausedForResize, TrainContext
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 # How often the workers agree on how their commands are doing.
 TICK_S = 0.25
+# How often a worker says it is still installing the job's requirements.
+INSTALL_NOTICE_S = 15.0
 # How often rank 0 asks the supervisor whether the job stops here to grow.
 PAUSE_POLL_S = 1.0
 
@@ -65,6 +68,7 @@ class CommandPlan:
     stop_grace_s: float = 30.0
     max_restarts: int = 0
     data_roots: tuple[str, ...] = ()  # what the owner's code may read besides its own
+    requirements: tuple[str, ...] = ()  # pip's, besides the package's requirements.txt
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandPlan:
@@ -77,6 +81,7 @@ class CommandPlan:
             stop_grace_s=float(d.get("stop_grace_s", 30.0)),
             max_restarts=int(d.get("max_restarts", 0)),
             data_roots=tuple(str(r) for r in d.get("data_roots") or ()),
+            requirements=tuple(str(r) for r in d.get("requirements") or ()),
         )
 
 
@@ -188,6 +193,11 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
     with _working_directory(plan, uid) as workdir:
         env = command_env.child_environment(os.environ, str(workdir), added)
         rules = confinement(workdir, files, uid, plan.data_roots)
+        args = command_requirements.pip_arguments(plan.requirements, workdir)
+        if args:
+            installed = _install(ctx, plan, args, workdir, env, rules, uid)
+            env["PYTHONPATH"] = str(installed)
+            rules["read"].append(str(installed))
         points = PointMerger(lambda point: _send_point(ctx, point)) if rank == 0 else None
         argv = command_env.resolve_argv(plan.argv)
         running = start(argv, workdir, env, rules, points)
@@ -207,6 +217,74 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         finally:
             running.stop(0)
             running.join()
+
+
+def _install(
+    ctx: TrainContext,
+    plan: CommandPlan,
+    args: list[str],
+    workdir: Path,
+    env: dict[str, str],
+    rules: dict[str, Any],
+    uid: int | None,
+) -> Path:
+    """The job's requirements installed on this node (once per owner and requirements);
+    every worker waits for the others' installs, saying so while they last."""
+    key = command_requirements.install_key(plan.owner, args, workdir)
+    final = command_requirements.DEPS_ROOT / key
+    running: Running | None = None
+    stage = final
+    if final.is_dir():
+        print("[elastic-train] requirements: installed on this node already", flush=True)
+    else:
+        stage, final = command_requirements.staging(key, uid)
+        print(f"[elastic-train] installing the requirements: pip install {shlex.join(args)}")
+        pip_rules = {**rules, "write": [*rules["write"], str(stage)]}
+        argv = command_requirements.pip_command(stage, args)
+        running = start(argv, workdir, env, pip_rules, None)
+    began = told = time.monotonic()
+    try:
+        while True:
+            code = None if running is None else running.exited()
+            done, failed, _ = _agree(ctx, 0 if running is None else code)
+            if failed:
+                if code not in (None, 0):
+                    assert running is not None
+                    running.join()
+                    raise CommandFailed(
+                        f"installing the requirements failed (pip exited with {code}): "
+                        + " | ".join(running.stderr_tail)
+                    )
+                raise AttemptAbandoned("installing the requirements failed on another worker")
+            if done == ctx.world_size:
+                break
+            if time.monotonic() - told >= INSTALL_NOTICE_S:
+                told = time.monotonic()
+                print(
+                    f"[elastic-train] still installing the requirements ({told - began:.0f} s)",
+                    flush=True,
+                )
+            time.sleep(TICK_S)
+    finally:
+        if running is not None:
+            running.stop(0)
+            running.join()
+    if running is not None:
+        command_requirements.publish(stage, final)
+        print(f"[elastic-train] requirements installed in {time.monotonic() - began:.1f} s")
+    return final
+
+
+def _agree(ctx: TrainContext, code: int | None, pause: bool = False) -> tuple[int, int, int]:
+    """Across the workers: how many commands ended well, how many failed, whether one
+    asked to pause (``code``: this worker's command's status, None while it runs)."""
+    flags = torch.tensor(
+        [code == 0, code not in (None, 0), 1.0 if pause else 0.0], dtype=torch.float64
+    )
+    if ctx.world_size > 1:
+        all_reduce(flags, ctx.worker.abandoned)
+    done, failed, paused = (int(v) for v in flags.tolist())
+    return done, failed, paused
 
 
 def _send_point(ctx: TrainContext, point: dict[str, Any]) -> None:
@@ -231,12 +309,7 @@ def _watch(
         if ctx.rank == 0 and not pause and time.monotonic() - asked_at >= PAUSE_POLL_S:
             asked_at = time.monotonic()
             pause = worker.drain_noticed() or worker.should_pause(worker.completed_step)
-        flags = torch.tensor(
-            [code == 0, code not in (None, 0), 1.0 if pause else 0.0], dtype=torch.float64
-        )
-        if ctx.world_size > 1:
-            all_reduce(flags, worker.abandoned)
-        done, failed, paused = (int(v) for v in flags.tolist())
+        done, failed, paused = _agree(ctx, code, pause)
         if failed:
             running.stop(0)
             running.join()

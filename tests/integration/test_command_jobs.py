@@ -228,3 +228,38 @@ def test_a_command_reads_its_owners_data_roots_and_no_one_elses(
     assert outcomes["bob"][0]["state"] == "failed"
     assert "PermissionError" in outcomes["bob"][1]
     assert "READ" not in outcomes["bob"][1]
+
+
+def test_a_command_job_s_requirements_are_installed_once_per_node_for_it(
+    server: LiveServer,
+) -> None:
+    """A real pip install from the package index, confined as the command is, on the
+    command's PYTHONPATH; the next job of the owner finds it installed; a requirement pip
+    cannot meet fails the job with pip's words."""
+    api = server.client()
+    where = "import pyjokes; print('FROM', pyjokes.__file__)"
+    spec = {
+        "name": "needs-a-package",
+        "command": ["python", "-c", where],
+        "requirements": ["pyjokes==0.8.3"],
+        "failure": {"max_restarts": 0},
+    }
+    texts = []
+    for _ in range(2):
+        created = api.post("/v1/jobs", json=spec)
+        assert created.status_code == 201, created.text
+        final = ended(api, created.json()["id"], timeout=240)
+        texts.append(log_text(api, created.json()["id"]))
+        assert final["state"] == "succeeded", texts[-1]
+    first, second = texts
+    assert "[elastic-train] installing the requirements: pip install pyjokes==0.8.3" in first
+    assert "[elastic-train] requirements installed in " in first
+    assert "[elastic-train] requirements: installed on this node already" in second
+    for text in texts:
+        path = next(line for line in text.splitlines() if line.startswith("FROM "))[5:]
+        assert path.startswith("/tmp/etrain-deps/") and path.endswith("pyjokes/__init__.py")
+
+    broken = api.post("/v1/jobs", json={**spec, "requirements": ["pyjokes==999.0.0"]})
+    final = ended(api, broken.json()["id"], timeout=240)
+    assert final["state"] == "failed"
+    assert "installing the requirements failed (pip exited with 1)" in final["message"], final
