@@ -168,6 +168,24 @@ def allow_listed(
         yield live
 
 
+def test_an_allowed_entrypoint_that_cannot_load_is_refused_at_submission(
+    allow_listed: LiveServer,
+) -> None:
+    """Checked from its source on the service's path, never imported: a misspelt function
+    is a 422 naming it, not three attempts of two workers."""
+    with allow_listed.client() as client:
+        r = client.post(
+            "/v1/jobs", json={**small_job(), "workload": "tests.workloads.chatty:trian_loop"}
+        )
+        assert r.status_code == 422, r.text
+        assert r.json()["errors"] == [
+            {
+                "field": "workload",
+                "message": "module 'tests.workloads.chatty' defines no 'trian_loop'",
+            }
+        ]
+
+
 @pytest.mark.parametrize(
     "patch,field",
     [
@@ -188,24 +206,6 @@ def allow_listed(
         ({"name": "$(reboot)"}, "name"),
     ],
 )
-def test_an_allowed_entrypoint_that_cannot_load_is_refused_at_submission(
-    allow_listed: LiveServer,
-) -> None:
-    """Checked from its source on the service's path, never imported: a misspelt function
-    is a 422 naming it, not three attempts of two workers."""
-    with allow_listed.client() as client:
-        r = client.post(
-            "/v1/jobs", json={**small_job(), "workload": "tests.workloads.chatty:trian_loop"}
-        )
-        assert r.status_code == 422, r.text
-        assert r.json()["errors"] == [
-            {
-                "field": "workload",
-                "message": "module 'tests.workloads.chatty' defines no 'trian_loop'",
-            }
-        ]
-
-
 def test_injection_payloads_are_refused_and_nothing_runs(
     allow_listed: LiveServer, patch: dict[str, str], field: str
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import torch
 
-from elastic.train import command_confinement, command_env
+from elastic.train import command_confinement, command_env, command_requirements
 from elastic_train import Client
 from jobs.launcher import files_dir
 from tests.conftest import (
@@ -232,12 +233,15 @@ def test_a_command_reads_its_owners_data_roots_and_no_one_elses(
 
 
 def test_a_command_job_s_requirements_are_installed_once_per_node_for_it(
-    server: LiveServer,
+    server: LiveServer, tmp_path: Path
 ) -> None:
     """A real pip install from the package index, confined as the command is, on the
     command's PYTHONPATH; the next job of the owner finds it installed; a requirement pip
     cannot meet fails the job with pip's words."""
     api = server.client()
+    # An install an earlier run left on this machine would be found: this run installs.
+    key = command_requirements.install_key("admin", ["pyjokes==0.8.3"], tmp_path)
+    shutil.rmtree(command_requirements.DEPS_ROOT / key, ignore_errors=True)
     where = "import pyjokes; print('FROM', pyjokes.__file__)"
     spec = {
         "name": "needs-a-package",
