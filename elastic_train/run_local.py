@@ -12,8 +12,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from elastic.train import command_env
+from elastic.train.command_process import free_port, stop_group
 
 # Where a local run's ETRAIN_CHECKPOINT_DIR goes, under the code's directory (kept: a
 # second run resumes from it, as a restart would).
@@ -31,12 +30,6 @@ POLL_S = 0.1
 
 class RunLocalError(ValueError):
     """A job that run-local cannot run; the message says why."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def environments(
@@ -99,7 +92,7 @@ def run_local(
     argv = command_env.resolve_argv(list(command))
     out(f"run-local: {workers} worker{'s' if workers > 1 else ''} of {shlex.join(argv)}")
     out(f"run-local: ETRAIN_CHECKPOINT_DIR={checkpoint_dir}")
-    envs = environments(workers, os.environ, str(checkpoint_dir), _free_port())
+    envs = environments(workers, os.environ, str(checkpoint_dir), free_port("127.0.0.1"))
     processes: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
     lock = threading.Lock()
@@ -136,7 +129,7 @@ def run_local(
         return _wait(processes, grace)
     finally:
         for process in processes:
-            _stop(process, 0)
+            stop_group(process, 0)
         for thread in threads:
             thread.join(timeout=5)
 
@@ -147,21 +140,8 @@ def _wait(processes: list[subprocess.Popen[bytes]], grace_s: float) -> int:
         failed = next((c for c in codes if c not in (None, 0)), None)
         if failed is not None:
             for process in processes:
-                _stop(process, grace_s)
+                stop_group(process, grace_s)
             return 128 - failed if failed < 0 else failed
         if all(c == 0 for c in codes):
             return 0
         time.sleep(POLL_S)
-
-
-def _stop(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(grace_s)
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()

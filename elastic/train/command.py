@@ -22,7 +22,6 @@ import logging
 import os
 import shlex
 import shutil
-import socket
 import tarfile
 import tempfile
 import time
@@ -34,10 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic.checkpoint.storage import is_object_uri
 from elastic.events import COMMANDS_STARTED, EventKind
 from elastic.train import command_env, command_requirements
 from elastic.train.command_confinement import confinement, unprivileged_uid
-from elastic.train.command_process import Running, start
+from elastic.train.command_process import Running, free_port, start
 from elastic.train.context import PausedForResize, TrainContext
 from elastic.train.metric_points import PointMerger
 from elastic.train.process_group import AttemptAbandoned, all_reduce
@@ -85,15 +85,9 @@ class CommandPlan:
         )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def _unpack(location: str, into: Path) -> None:
     """The job's code package (a tar.gz the service checked) into the working directory."""
-    if "://" in location:
+    if is_object_uri(location):
         from pyarrow import fs
 
         filesystem, path = fs.FileSystem.from_uri(location)
@@ -123,7 +117,7 @@ def _give(path: Path, uid: int | None) -> None:
 def _files_dir(plan: CommandPlan, uid: int | None) -> str | None:
     """The job's own shared directory, made on first use: ``<root>/_files/<owner>/<job>``,
     where ``_files`` lets anyone pass and each owner's directory is the owner's uid's."""
-    if plan.files_dir is None or "://" in plan.files_dir:
+    if plan.files_dir is None or is_object_uri(plan.files_dir):
         return plan.files_dir
     job_dir = Path(plan.files_dir)
     owner_dir = job_dir.parent
@@ -170,7 +164,7 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         dist.all_gather_object(everyone, mine)
     else:
         everyone = [mine]
-    master: list[Any] = [host, _free_port(host)] if rank == 0 else [None, None]
+    master: list[Any] = [host, free_port(host)] if rank == 0 else [None, None]
     if world > 1:
         dist.broadcast_object_list(master, src=0)
     place = command_env.places([n for n, _, _ in everyone])[rank]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from elastic.checkpoint.storage import is_object_uri
 from elastic.train import command_env
 
 # What a command may read of /etc: what the C library, Python, TLS and name lookups read;
@@ -97,6 +98,6 @@ def confinement(
     """``confine.py``'s rules for a command: it writes its working directory, its job's
     own directory and devices (``/dev/shm`` for DataLoader workers), reads what
     :func:`readable_roots` names and its owner's ``data_roots``, and runs as ``uid``."""
-    writable = [str(workdir), "/dev", *([files] if files and "://" not in files else [])]
+    writable = [str(workdir), "/dev", *([files] if files and not is_object_uri(files) else [])]
     readable = [*readable_roots(), *data_roots]
     return {"read": readable, "write": writable, "uid": uid, "gid": uid}

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -38,30 +39,42 @@ class Running:
     """One worker's command, started."""
 
     process: subprocess.Popen[bytes]
-    report_read: int
     stderr_tail: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
 
     def exited(self) -> int | None:
         return self.process.poll()
 
-    def signal(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signum)
-
     def stop(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL once ``grace_s`` has passed."""
-        if self.exited() is None and grace_s > 0:
-            self.signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(grace_s)
-        if self.exited() is None:
-            self.signal(signal.SIGKILL)
-        self.process.wait()
+        stop_group(self.process, grace_s)
 
     def join(self) -> None:
         for thread in self.threads:
             thread.join(timeout=5)
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """End a process started in a session of its own, and its group: SIGTERM, then SIGKILL
+    once ``grace_s`` has passed (0: SIGKILL at once)."""
+
+    def send(signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signum)
+
+    if process.poll() is None and grace_s > 0:
+        send(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace_s)
+    if process.poll() is None:
+        send(signal.SIGKILL)
+    process.wait()
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now, for a rendezvous the command makes itself."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _pump(stream: IO[bytes], out: Callable[[str], None], tail: list[str] | None) -> None:
@@ -111,7 +124,7 @@ def start(
         )
     finally:
         os.close(write_fd)
-    running = Running(process, read_fd)
+    running = Running(process)
     assert process.stdout is not None and process.stderr is not None
     pumps: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
         (_pump, (process.stdout, lambda s: print(s, file=sys.stdout, flush=True), None)),
