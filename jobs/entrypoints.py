@@ -1,11 +1,13 @@
 """What can be checked of an entrypoint (``package.module:function``) at submission without
 running a line of it: its module's source is found and read on the service's own path, never
 imported (importing runs code), parsed, and must bind the function's name at its top level.
-A module the service cannot see may still be on the workers: it is left to them."""
+A module the service cannot see may still be on the workers: it is left to them. A loop of
+a code package is looked for in the package, where it must be."""
 
 from __future__ import annotations
 
 import ast
+import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -43,13 +45,44 @@ def problem(entrypoint: str, search_path: Iterable[str]) -> str | None:
     source = find_source(module, search_path)
     if source is None:
         return None
+    return problem_in_source(f"module {module!r}", source.read_bytes(), function)
+
+
+def problem_in_source(what: str, source: bytes, function: str) -> str | None:
+    """Why ``source`` (``what``, as a message names it) cannot give ``function``."""
     try:
-        tree = ast.parse(source.read_bytes(), filename=str(source))
+        tree = ast.parse(source)
     except SyntaxError as e:
-        return f"module {module!r} does not parse: {e.msg} (line {e.lineno})"
+        return f"{what} does not parse: {e.msg} (line {e.lineno})"
     names = top_level_names(tree)
     if "*" in names or "__getattr__" in names:
         return None  # a star import or a module __getattr__ may bind it: the workers tell
     if function not in names:
-        return f"module {module!r} defines no {function!r}"
+        return f"{what} defines no {function!r}"
     return None
+
+
+def package_members(entrypoint: str) -> list[str]:
+    """Where in a code package an entrypoint's source may be, first found first: the file
+    it names (``train.py:train_loop``), or its module's file or package."""
+    where = entrypoint.rpartition(":")[0]
+    if where.endswith(".py"):
+        return [where]
+    base = where.replace(".", "/")
+    return [f"{base}.py", f"{base}/__init__.py"]
+
+
+def problem_in_package(entrypoint: str, archive: Path) -> str | None:
+    """Why a code package (a checked ``.tar.gz``) cannot give ``entrypoint``; None when it
+    may. Its source is read from the archive, never run."""
+    where, _, function = entrypoint.rpartition(":")
+    wanted = package_members(entrypoint)
+    with tarfile.open(archive, mode="r:gz") as tar:
+        members = {m.name.removeprefix("./"): m for m in tar.getmembers() if m.isfile()}
+        for name in wanted:
+            member = members.get(name)
+            if member is not None:
+                stream = tar.extractfile(member)
+                assert stream is not None
+                return problem_in_source(name, stream.read(), function)
+    return f"the code package has no {' or '.join(wanted)} (for {where!r})"

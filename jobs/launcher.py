@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 SupervisorGone = RayActorError
 
 ACTOR_PREFIX = "etrain-supervisor-"
-# The training loop of every command job: it runs the spec's command (elastic/train/command.py).
+# The training loop of every job running its owner's code: it runs the spec's command, or
+# the package's train_loop, in a confined child (elastic/train/command.py).
 COMMAND_LOOP = "elastic.train.command:run_command"
 # Beside the jobs' checkpoints: each command job's own directory, under its owner's.
 FILES_DIR = "_files"
@@ -208,11 +209,13 @@ def files_dir(checkpoint_root: str, owner: str, job_id: str) -> str:
 def command_plan(
     job_id: str, spec: JobSpec, checkpoint_root: str, owner: str, data_roots: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """What every worker of a command job is given (``elastic.train.command.CommandPlan``);
+    """What every worker of a job running its owner's code is given (a command, or a
+    ``train_loop`` of its code package: ``elastic.train.command.CommandPlan``);
     ``data_roots``: what the owner's code may read besides its own."""
-    assert spec.command is not None
+    assert spec.runs_user_code
     return {
-        "argv": list(spec.command),
+        "argv": list(spec.command or []),
+        "entrypoint": spec.workload if spec.runs_package_loop else None,
         "job_id": job_id,
         "owner": owner,
         "code": CodeStore(checkpoint_root).location(owner, spec.code) if spec.code else None,
@@ -241,11 +244,11 @@ def launch(
     train_loop = workload.train_loop if workload else spec.workload
     train_config = spec.train_config()
     backend = spec.backend
-    if spec.command is not None:
+    if spec.runs_user_code:
         train_loop = COMMAND_LOOP
         train_config["command"] = command_plan(job_id, spec, checkpoint_root, owner, data_roots)
         # The workers' own group only agrees on how the commands are doing, on the CPU;
-        # the command forms its own group, NCCL or Gloo, as its script says.
+        # the command (or the package's loop) forms its own group, NCCL or Gloo.
         backend = "gloo"
     if _mlflow is not None:
         # Read by the rank-0 worker (elastic.train.mlflow_log); the URI goes in the environment.

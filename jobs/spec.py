@@ -22,6 +22,9 @@ from jobs.workloads import WORKLOADS
 
 # "package.module:function", identifiers only: nothing that a shell or eval could interpret.
 ENTRYPOINT_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+# In a code package an entrypoint may also name a file of it: "train.py:train_loop",
+# "src/trainer/loop.py:train_loop" (relative, no "..": the package is checked on upload).
+PACKAGE_FILE_ENTRYPOINT = re.compile(r"^(?!.*(^|/)\.\.(/|:))[\w.\-]+(/[\w.\-]+)*\.py:[A-Za-z_]\w*$")
 # How deeply a custom workload's hyperparameters may nest: far more than any configuration
 # needs, and far less than what breaks serialisation (Python's recursion limit).
 MAX_HYPERPARAMETER_DEPTH = 32
@@ -285,6 +288,11 @@ class JobSpec(BaseModel):
                 "a command job recovers by restart: its processes start again at the new "
                 "size and resume from their own checkpoint (torchrun's elastic contract)"
             )
+        if self.code is not None:
+            return (
+                "a train_loop from a code package recovers by restart in this release: its "
+                "confined processes start again at the new size from the latest checkpoint"
+            )
         d = self.distributed
         return _why_not_in_place(
             d.strategy, d.sync, d.gradient_compression, self.scaling.gpus_per_worker
@@ -292,8 +300,19 @@ class JobSpec(BaseModel):
 
     @property
     def is_custom(self) -> bool:
-        """A custom entrypoint's ``module:function`` (not a built-in, not a command)."""
-        return self.command is None and self.workload not in WORKLOADS
+        """A custom entrypoint's ``module:function`` installed on the workers (not a
+        built-in, not a command, not in a code package)."""
+        return self.command is None and self.code is None and self.workload not in WORKLOADS
+
+    @property
+    def runs_package_loop(self) -> bool:
+        """A ``train_loop`` of the job's code package, run in a confined child."""
+        return self.command is None and self.code is not None
+
+    @property
+    def runs_user_code(self) -> bool:
+        """Code the owner sent runs: a command, or a loop of a code package."""
+        return self.command is not None or self.code is not None
 
     @property
     def backend(self) -> Literal["nccl", "gloo"]:
@@ -422,6 +441,11 @@ class JobSpec(BaseModel):
         own checks, so that a command job's recovery mode is decided with it."""
         if not isinstance(data, dict):
             return data
+        if "entrypoint" in data:  # another name for a loop's workload
+            if data.get("workload") is not None:
+                raise field_error("JobSpec", "entrypoint", "give entrypoint or workload, not both")
+            data = {**data, "workload": data["entrypoint"]}
+            del data["entrypoint"]
         workload, command = data.get("workload"), data.get("command")
         if command is None:
             if workload is None:
@@ -436,20 +460,21 @@ class JobSpec(BaseModel):
                     "command",
                     f"missing: workload {COMMAND_WORKLOAD!r} runs the spec's command",
                 )
-            if data.get("requirements"):
+            if data.get("requirements") and data.get("code") is None:
                 raise field_error(
                     "JobSpec",
                     "requirements",
-                    "requirements are installed for a command job: give command, or install "
-                    "them on the workers",
+                    "requirements are installed for a job's code package: give code (etrain "
+                    "submit --code DIR), or install them on the workers",
                     data.get("requirements"),
                 )
-            if data.get("code") is not None:
+            if data.get("code") is not None and workload in WORKLOADS:
                 raise field_error(
                     "JobSpec",
                     "code",
-                    "a code package runs as a command job: give command, e.g. "
-                    '["python", "train.py"]',
+                    'a code package runs a command (command: ["python", "train.py"]) or '
+                    'a train_loop of the package (workload: "train.py:train_loop"), not the '
+                    f"built-in workload {workload!r}",
                     data.get("code"),
                 )
             return data
@@ -468,6 +493,20 @@ class JobSpec(BaseModel):
             return self
         workload = WORKLOADS.get(self.workload)
         if workload is None:
+            if self.code is not None:
+                if not (
+                    ENTRYPOINT_PATTERN.match(self.workload)
+                    or PACKAGE_FILE_ENTRYPOINT.match(self.workload)
+                ):
+                    raise field_error(
+                        "JobSpec",
+                        "workload",
+                        f"{self.workload!r} is not a train_loop of the package: name a file "
+                        "and function ('train.py:train_loop') or a module of the package and "
+                        "function ('trainer.loop:train_loop')",
+                        self.workload,
+                    )
+                return self
             if not ENTRYPOINT_PATTERN.match(self.workload):
                 raise field_error(
                     "JobSpec",

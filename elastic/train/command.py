@@ -18,10 +18,13 @@ when the command ends or the worker dies.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shlex
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -39,6 +42,8 @@ from elastic.train import command_env, command_requirements
 from elastic.train.command_confinement import confinement, unprivileged_uid
 from elastic.train.command_process import Running, free_port, start
 from elastic.train.context import PausedForResize, TrainContext
+from elastic.train.entrypoint import EntrypointError
+from elastic.train.loop_link import ChildRelay
 from elastic.train.metric_points import PointMerger
 from elastic.train.process_group import AttemptAbandoned, all_reduce
 
@@ -50,6 +55,12 @@ TICK_S = 0.25
 INSTALL_NOTICE_S = 15.0
 # How often rank 0 asks the supervisor whether the job stops here to grow.
 PAUSE_POLL_S = 1.0
+# How often a worker looks whether its loop's child ended: a failed child is a failed
+# attempt, and restart mode's recovery is timed from the failure.
+LOOP_POLL_S = 0.02
+# How long a loop's child waits for its peers to form the process group: an attempt given
+# up meanwhile ends it sooner (its worker kills it).
+LOOP_GROUP_TIMEOUT_S = 300.0
 
 
 class CommandFailed(RuntimeError):
@@ -69,6 +80,9 @@ class CommandPlan:
     max_restarts: int = 0
     data_roots: tuple[str, ...] = ()  # what the owner's code may read besides its own
     requirements: tuple[str, ...] = ()  # pip's, besides the package's requirements.txt
+    # A ``train_loop`` of the package (``train.py:train_loop``) run with the ctx API in the
+    # child, instead of ``argv`` (elastic/train/loop_child.py).
+    entrypoint: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandPlan:
@@ -82,6 +96,7 @@ class CommandPlan:
             max_restarts=int(d.get("max_restarts", 0)),
             data_roots=tuple(str(r) for r in d.get("data_roots") or ()),
             requirements=tuple(str(r) for r in d.get("requirements") or ()),
+            entrypoint=d.get("entrypoint"),
         )
 
 
@@ -192,6 +207,9 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
             installed = _install(ctx, plan, args, workdir, env, rules, uid)
             env["PYTHONPATH"] = str(installed)
             rules["read"].append(str(installed))
+        if plan.entrypoint is not None:
+            _run_loop(ctx, config, plan, workdir, env, rules, uid, host)
+            return
         points = PointMerger(lambda point: _send_point(ctx, point)) if rank == 0 else None
         argv = command_env.resolve_argv(plan.argv)
         running = start(argv, workdir, env, rules, points)
@@ -211,6 +229,72 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         finally:
             running.stop(0)
             running.join()
+
+
+def _run_loop(
+    ctx: TrainContext,
+    config: dict[str, Any],
+    plan: CommandPlan,
+    workdir: Path,
+    env: dict[str, str],
+    rules: dict[str, Any],
+    uid: int | None,
+    host: str,
+) -> None:
+    """The package's ``train_loop`` in the child (``elastic/train/loop_child.py``), this
+    worker its line to the supervisor, until the child exits: 0 when the loop ended or
+    paused for a resize, :data:`CODE_ERROR_EXIT` when the entrypoint cannot load."""
+    assert plan.entrypoint is not None
+    worker = ctx.worker
+    checkpoints = worker.config.checkpoint_dir
+    write = list(rules["write"])
+    if not is_object_uri(checkpoints):
+        Path(checkpoints).mkdir(parents=True, exist_ok=True)
+        if uid is not None:
+            os.chown(checkpoints, uid, uid)
+        write.append(checkpoints)
+    # The service's part of the config stays here: the child gets the loop's.
+    loop_config = {k: v for k, v in config.items() if k not in ("command", "_mlflow")}
+    plan_file = workdir / ".tmp" / "loop-plan.json"
+    plan_file.write_text(
+        json.dumps(
+            {
+                "entrypoint": plan.entrypoint,
+                "config": loop_config,
+                "timeout_s": LOOP_GROUP_TIMEOUT_S,
+                "node_address": host,
+            }
+        )
+    )
+    _give(plan_file, uid)
+    points = PointMerger(lambda point: _send_point(ctx, point)) if ctx.rank == 0 else None
+    relay = ChildRelay(worker, points.add_line if points is not None else None)
+    argv = [sys.executable, "-m", "elastic.train.loop_child", str(plan_file)]
+    running = start(
+        argv, workdir, env, {**rules, "write": write}, None, on_line=relay.line, replies=True
+    )
+    assert running.replies is not None
+    relay.attach(running.replies)
+    told_drain = False
+    try:
+        while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = running.process.wait(timeout=LOOP_POLL_S)
+                break
+            if worker.abandoned.is_set():
+                raise AttemptAbandoned("the attempt failed elsewhere")
+            if ctx.rank == 0 and not told_drain and worker.drain_noticed():
+                relay.tell_drain()
+                told_drain = True
+    finally:
+        running.stop(0)
+        running.join()
+    if points is not None:
+        points.flush()
+    if relay.code_error is not None:
+        raise EntrypointError(relay.code_error)
+    if code != 0:
+        raise CommandFailed(_failure(code, running.stderr_tail))
 
 
 def _install(

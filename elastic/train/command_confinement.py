@@ -77,8 +77,9 @@ def unprivileged_uid(owner: str) -> int | None:
 
 def readable_roots() -> list[str]:
     """What a command may read besides its own directories: the system's programs and
-    libraries, Python's installation (this interpreter's, its packages'), and
-    ``elastic_train``'s package (``elastic_train.report``)."""
+    libraries, Python's installation (this interpreter's, its packages'), ``elastic_train``'s
+    package (``elastic_train.report``) and ``elastic``'s (what runs a package's
+    ``train_loop`` in the child)."""
     # Found, not imported: the client package is not the workers' to load.
     client = importlib.util.find_spec("elastic_train")
     roots = {"/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/proc", "/sys"}
@@ -88,6 +89,7 @@ def readable_roots() -> list[str]:
     roots |= {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
     if client is not None and client.origin:
         roots.add(str(Path(client.origin).parent))
+    roots.add(str(Path(__file__).resolve().parents[1]))
     roots.add(str(Path(os.path.realpath(sys.executable)).parent))
     return sorted(r for r in roots if os.path.exists(r))
 

@@ -33,6 +33,8 @@ KEPT_PREFIXES = ("LC_", "OMP_", "MKL_", "NCCL_", "NVIDIA_")
 # The variable through which ``elastic_train.report`` finds its pipe to the worker.
 REPORT_FD_ENV = "ETRAIN_REPORT_FD"
 CHECKPOINT_DIR_ENV = "ETRAIN_CHECKPOINT_DIR"
+# The variable through which a loop run from a code package reads its worker's answers.
+REPLY_FD_ENV = "ETRAIN_REPLY_FD"
 # Unprivileged ids a job's process runs as when the workers run as root: one per owner, so
 # that owners' files and processes are apart (see docs/security.md for the odds of two
 # owners sharing one).

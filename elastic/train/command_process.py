@@ -41,6 +41,8 @@ class Running:
     process: subprocess.Popen[bytes]
     stderr_tail: list[str] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
+    # The worker's end of the pipe the child reads answers from (``replies=True``).
+    replies: IO[bytes] | None = None
 
     def exited(self) -> int | None:
         return self.process.poll()
@@ -51,6 +53,9 @@ class Running:
     def join(self) -> None:
         for thread in self.threads:
             thread.join(timeout=5)
+        if self.replies is not None:
+            with contextlib.suppress(OSError):
+                self.replies.close()
 
 
 def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -87,10 +92,14 @@ def _pump(stream: IO[bytes], out: Callable[[str], None], tail: list[str] | None)
     stream.close()
 
 
-def _relay_reports(read_fd: int, points: PointMerger | None) -> None:
+def _relay_reports(
+    read_fd: int, points: PointMerger | None, on_line: Callable[[bytes], None] | None
+) -> None:
     with os.fdopen(read_fd, "rb") as pipe:
         for raw in pipe:
-            if points is not None:
+            if on_line is not None:
+                on_line(raw)
+            elif points is not None:
                 points.add_line(raw)
     if points is not None:
         points.flush()
@@ -102,9 +111,21 @@ def start(
     env: dict[str, str],
     rules: dict[str, Any],
     points: PointMerger | None,
+    on_line: Callable[[bytes], None] | None = None,
+    replies: bool = False,
 ) -> Running:
+    """Start ``argv`` confined by ``rules``. Each line the child writes to its report pipe
+    goes to ``on_line`` when given, else to ``points``; with ``replies``, the child also
+    reads a pipe of the worker's (``Running.replies``) whose descriptor is in
+    ``ETRAIN_REPLY_FD``."""
     read_fd, write_fd = os.pipe()
     env = {**env, command_env.REPORT_FD_ENV: str(write_fd)}
+    child_fds = [write_fd]
+    reply_write = -1
+    if replies:
+        reply_read, reply_write = os.pipe()
+        env[command_env.REPLY_FD_ENV] = str(reply_read)
+        child_fds.append(reply_read)
     wrapped = [sys.executable, "-I", str(CONFINE), json.dumps(rules), "--", *argv]
     if os.geteuid() == 0 and shutil.which("unshare"):
         # Its own /proc too: the processes of other jobs, and their command lines, are not
@@ -118,13 +139,20 @@ def start(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            pass_fds=(write_fd,),
+            pass_fds=tuple(child_fds),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
+    except BaseException:
+        if reply_write >= 0:
+            os.close(reply_write)
+        raise
     finally:
-        os.close(write_fd)
+        for fd in child_fds:
+            os.close(fd)
     running = Running(process)
+    if reply_write >= 0:
+        running.replies = os.fdopen(reply_write, "wb")
     assert process.stdout is not None and process.stderr is not None
     pumps: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
         (_pump, (process.stdout, lambda s: print(s, file=sys.stdout, flush=True), None)),
@@ -135,7 +163,7 @@ def start(
     ]
     # Every rank reads its pipe (a closed one would fail a report on other ranks); rank 0's
     # points are the job's.
-    pumps.append((_relay_reports, (read_fd, points)))
+    pumps.append((_relay_reports, (read_fd, points, on_line)))
     for target, args in pumps:
         thread = threading.Thread(target=target, args=args, name="etrain-command-io", daemon=True)
         thread.start()

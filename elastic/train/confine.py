@@ -132,8 +132,12 @@ def main(argv: list[str]) -> int:
             extra_groups=[] if uid is not None else None,
             # Outside a namespace of its own, the command's processes are one group to end.
             start_new_session=not first_of_namespace,
-            # elastic_train.report's pipe to the worker.
-            pass_fds=[int(fd) for fd in [os.environ.get("ETRAIN_REPORT_FD")] if fd],
+            # elastic_train.report's pipe to the worker, and the worker's answers to a loop.
+            pass_fds=[
+                int(fd)
+                for fd in [os.environ.get("ETRAIN_REPORT_FD"), os.environ.get("ETRAIN_REPLY_FD")]
+                if fd
+            ],
         )
     except OSError as e:
         print(f"[elastic-train] cannot run {command[0]!r}: {e}", file=sys.stderr, flush=True)

@@ -56,13 +56,14 @@ def all_reduce(tensor: torch.Tensor, abandoned: threading.Event, group: Any = No
     work.wait()  # raises the collective's own error, if it failed
 
 
-def bound_store(host: str, world_size: int, timeout_s: float) -> Any:
-    """A master ``TCPStore`` listening on ``host`` only. The store owns its listening
-    socket and closes it when it is destroyed: nothing here may close that descriptor too,
-    or a second close could hit whatever socket reused its number meanwhile."""
+def bound_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> Any:
+    """A master ``TCPStore`` listening on ``host`` only, on ``port`` (0: one free now). The
+    store owns its listening socket and closes it when it is destroyed: nothing here may
+    close that descriptor too, or a second close could hit whatever socket reused its number
+    meanwhile."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.bind((host, 0))
+    listener.bind((host, port))
     listener.listen(max(128, world_size))
     port = int(listener.getsockname()[1])
     return dist.TCPStore(

@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from pathlib import Path
 
+from elastic.checkpoint.storage import is_object_uri
 from jobs import cluster, entrypoints, isolation, launcher, memory
 from jobs.code_store import CodeStore
 from jobs.spec import JobSpec
@@ -36,7 +38,7 @@ class Admission:
             )
         spec = self._authorize_data_paths(spec, owner)
         limits = UserLimits.of(self.settings, self.store.user_limits(owner))
-        if spec.command is not None:
+        if spec.runs_user_code:
             quotas.check_code_allowed(owner, limits)
             self._check_code(spec, owner)
         refused = refused_by_cluster(spec, self.view.nodes())
@@ -73,12 +75,18 @@ class Admission:
         """The package a command job names is one of its owner's (another's is unknown)."""
         if spec.code is None:
             return
-        if not CodeStore(self.settings.resolved_checkpoint_dir).exists(owner, spec.code):
+        store = CodeStore(self.settings.resolved_checkpoint_dir)
+        if not store.exists(owner, spec.code):
             raise SpecRefused(
                 "code",
                 f"no code package {spec.code} of yours: upload it first (POST /v1/code, "
                 "or etrain submit --code DIR)",
             )
+        location = store.location(owner, spec.code)
+        if spec.runs_package_loop and not is_object_uri(location):
+            why_not = entrypoints.problem_in_package(spec.workload, Path(location))
+            if why_not is not None:
+                raise SpecRefused("workload", why_not)
 
     def _authorize_data_paths(self, spec: JobSpec, owner: str) -> JobSpec:
         wanted = spec.data_paths()

@@ -1,0 +1,160 @@
+"""A ``train_loop`` uploaded with its job: run with the ``ctx`` API in a confined child of
+each worker (never in the worker, which holds Ray), elastic by restart from the context's
+checkpoints, on a real Ray cluster through the real service."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic.train.context import run_with_context
+from elastic.train.worker import WorkerContext
+from elastic_train import Client
+from elastic_train.errors import InvalidRequest
+from jobs.launcher import files_dir
+from tests.conftest import TOKEN, ClusterPool, LiveServer, all_events, wait_for
+from tests.integration.test_command_jobs import ended, log_text
+
+LOOP_DIR = Path(__file__).parents[1] / "workloads" / "package_loop"
+
+
+def loop_job(steps: int, workers: int = 2, pace_s: float = 0.0) -> dict[str, Any]:
+    return {
+        "name": "package-loop",
+        "entrypoint": "train.py:train_loop",
+        "hyperparameters": {"steps": steps, "pace_s": pace_s},
+        "scaling": {"min_workers": 1, "max_workers": workers, "cpus_per_worker": 1},
+        "checkpoint": {"every_steps": 5, "keep": 2},
+        "failure": {"max_restarts": 3, "min_workers_grace_s": 60},
+    }
+
+
+def reference(steps: int, tmp: Path) -> dict[str, torch.Tensor]:
+    """The same loop in one process, never interrupted."""
+    sys.path.insert(0, str(LOOP_DIR))
+    try:
+        spec = importlib.util.spec_from_file_location("package_loop_train", LOOP_DIR / "train.py")
+        assert spec is not None and spec.loader is not None
+        module: Any = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        worker = WorkerContext.standalone(0, 1, str(tmp), every_steps=1000)
+        states: list[dict[str, torch.Tensor]] = []
+
+        def loop(config: dict[str, Any], ctx: Any) -> None:
+            module.train_loop(config, ctx)
+            states.append({k: v.clone() for k, v in ctx.model.state_dict().items()})
+
+        config = {"hyperparameters": {"steps": steps}, "_elastic": {}}
+        run_with_context(loop, config, worker)
+    finally:
+        sys.path.remove(str(LOOP_DIR))
+    return states[0]
+
+
+def final_state(server: LiveServer, job_id: str) -> dict[str, Any]:
+    root = server.settings.resolved_checkpoint_dir
+    return torch.load(Path(files_dir(root, "admin", job_id)) / "final.pt")  # type: ignore[no-any-return]
+
+
+def assert_matches(state: dict[str, Any], steps: int, tmp: Path) -> None:
+    assert state["step"] == steps
+    for name, value in reference(steps, tmp).items():
+        got = state["model"][name.removeprefix("module.")]
+        assert got.dtype == torch.float64
+        assert torch.allclose(got, value, rtol=0, atol=1e-12), name
+
+
+def test_a_train_loop_from_the_package_runs_confined_and_trains_as_one_process(
+    server: LiveServer, tmp_path: Path
+) -> None:
+    api = server.client()
+    with Client(server.url, TOKEN) as client:
+        job = client.submit(loop_job(40), code=LOOP_DIR)
+    info = api.get(f"/v1/jobs/{job.id}").json()
+    assert info["spec"]["workload"] == "train.py:train_loop"
+    assert info["spec"]["fault_tolerance"] == "restart"
+    final = ended(api, job.id, timeout=180)
+    text = log_text(api, job.id)
+    assert final["state"] == "succeeded", text
+    assert final["step"] == 40
+    # The loop ran in a process of its own, which never loaded Ray.
+    assert "loop: rank 0 of 2, ray loaded: False" in text
+    assert "done at step 40" in text
+    checkpoints = api.get(f"/v1/jobs/{job.id}/checkpoints").json()
+    assert [c["step"] for c in checkpoints["items"]] == [35, 40]
+    steps = [e["data"]["step"] for e in all_events(api, job.id, "metrics") if "loss" in e["data"]]
+    assert steps == list(range(1, 41))
+    assert_matches(final_state(server, job.id), 40, tmp_path)
+
+
+def test_a_package_loop_survives_a_node_loss_and_grows_back_unchanged(
+    server: LiveServer, ray_cluster: ClusterPool, tmp_path: Path
+) -> None:
+    """A node lost at 3 workers: the attempt restarts at 2 from the latest checkpoint;
+    the node back, the job pauses at a checkpoint and grows to 3. The model at the end is
+    the uninterrupted run's."""
+    api = server.client()
+    steps = 90
+    with Client(server.url, TOKEN) as client:
+        job = client.submit(loop_job(steps, workers=3, pace_s=0.15), code=LOOP_DIR)
+
+    def view() -> dict[str, Any]:
+        return api.get(f"/v1/jobs/{job.id}").json()  # type: ignore[no-any-return]
+
+    wait_for(lambda: (j := view())["step"] >= 12 and j["world_size"] == 3, 120, what="step 12 at 3")
+    ray_cluster.kill_node(ray_cluster.pool[1])
+
+    def trained_at(world: int) -> bool:
+        points = all_events(api, job.id, "metrics")
+        return any(p["data"].get("world_size") == world and "loss" in p["data"] for p in points)
+
+    wait_for(lambda: trained_at(2), 120, what="training at 2")
+    ray_cluster.add_node()
+    final = ended(api, job.id, timeout=240)
+    text = log_text(api, job.id)
+    assert final["state"] == "succeeded", text
+    assert final["step"] == steps
+    sizes = [e["data"]["world_size"] for e in all_events(api, job.id, "attempt_started")]
+    assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes
+    assert_matches(final_state(server, job.id), steps, tmp_path)
+
+
+def test_a_misspelt_loop_is_refused_at_submission(server: LiveServer) -> None:
+    with Client(server.url, TOKEN) as client:
+        spec = {**loop_job(5), "entrypoint": "train.py:train_lop"}
+        try:
+            client.submit(spec, code=LOOP_DIR)
+        except InvalidRequest as e:
+            assert e.status == 422
+            assert "train.py defines no 'train_lop'" in str(e)
+        else:
+            raise AssertionError("a misspelt train_loop was accepted")
+        spec = {**loop_job(5), "entrypoint": "trainer.py:train_loop"}
+        try:
+            client.submit(spec, code=LOOP_DIR)
+        except InvalidRequest as e:
+            assert e.status == 422
+            assert "the code package has no trainer.py" in str(e)
+        else:
+            raise AssertionError("a loop in a missing file was accepted")
+
+
+def test_a_loop_that_cannot_import_fails_at_once_without_retries(
+    server: LiveServer, tmp_path: Path
+) -> None:
+    package = tmp_path / "broken"
+    package.mkdir()
+    (package / "train.py").write_text(
+        "import not_a_module_anywhere\n\ndef train_loop(config, ctx):\n    pass\n"
+    )
+    api = server.client()
+    with Client(server.url, TOKEN) as client:
+        job = client.submit({**loop_job(5), "failure": {"max_restarts": 3}}, code=package)
+    final = ended(api, job.id, timeout=120)
+    assert final["state"] == "failed"
+    assert "No module named 'not_a_module_anywhere'" in final["message"], final
+    assert len(all_events(api, job.id, "attempt_started")) == 1
