@@ -63,3 +63,32 @@ def test_at_the_worker_a_loop_that_cannot_load_is_an_entrypoint_error(
     for entrypoint, kind in cases.items():
         with pytest.raises(EntrypointError, match=f"^cannot load {entrypoint}: {kind}: "):
             resolve(entrypoint)
+
+
+def test_a_package_loop_is_looked_for_in_the_package_s_archive(tmp_path: Path) -> None:
+    import tarfile
+
+    from jobs.entrypoints import problem_in_package
+
+    src = tmp_path / "src"
+    (src / "trainer").mkdir(parents=True)
+    (src / "train.py").write_text("def train_loop(config, ctx):\n    pass\n")
+    (src / "trainer" / "__init__.py").write_text("from .loop import *\n")
+    (src / "trainer" / "loop.py").write_text("def train_loop(config, ctx):\n    pass\n")
+    (src / "bad.py").write_text("def train_loop(:\n")
+    archive = tmp_path / "code.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname=".")
+    assert problem_in_package("train.py:train_loop", archive) is None
+    assert problem_in_package("trainer.loop:train_loop", archive) is None
+    assert problem_in_package("trainer:train_loop", archive) is None  # a star import: unknown
+    assert problem_in_package("train.py:train_lop", archive) == "train.py defines no 'train_lop'"
+    assert problem_in_package("bad.py:train_loop", archive) == (
+        "bad.py does not parse: invalid syntax (line 1)"
+    )
+    assert problem_in_package("other.py:f", archive) == (
+        "the code package has no other.py (for 'other.py')"
+    )
+    assert problem_in_package("a.b:f", archive) == (
+        "the code package has no a/b.py or a/b/__init__.py (for 'a.b')"
+    )

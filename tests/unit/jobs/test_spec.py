@@ -209,7 +209,7 @@ def test_a_command_job_runs_its_command_and_recovers_by_restart() -> None:
     assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec
 
 
-def test_a_job_names_one_program_and_a_package_needs_a_command() -> None:
+def test_a_job_names_one_program_and_a_package_runs_a_command_or_its_own_loop() -> None:
     assert command_errors({}) == [
         (
             "workload",
@@ -223,8 +223,46 @@ def test_a_job_names_one_program_and_a_package_needs_a_command() -> None:
         ("command", "give a workload or a command, not both")
     ]
     assert command_errors({"workload": "image-classification", "code": PACKAGE}) == [
-        ("code", 'a code package runs as a command job: give command, e.g. ["python", "train.py"]')
+        (
+            "code",
+            'a code package runs a command (command: ["python", "train.py"]) or a train_loop '
+            'of the package (workload: "train.py:train_loop"), not the built-in workload '
+            "'image-classification'",
+        )
     ]
+    assert command_errors({"workload": "../train.py:loop", "code": PACKAGE}) == [
+        (
+            "workload",
+            "'../train.py:loop' is not a train_loop of the package: name a file and function "
+            "('train.py:train_loop') or a module of the package and function "
+            "('trainer.loop:train_loop')",
+        )
+    ]
+    assert command_errors({"entrypoint": "train.py:loop", "workload": "a:b"}) == [
+        ("entrypoint", "give entrypoint or workload, not both")
+    ]
+    assert command_errors({"workload": "a:b", "requirements": ["numpy"]}) == [
+        (
+            "requirements",
+            "requirements are installed for a job's code package: give code (etrain submit "
+            "--code DIR), or install them on the workers",
+        )
+    ]
+    loop = JobSpec.model_validate(
+        {"name": "x", "entrypoint": "src/train.py:loop", "code": PACKAGE, "requirements": ["a"]}
+    )
+    assert (loop.workload, loop.runs_package_loop, loop.is_custom) == (
+        "src/train.py:loop",
+        True,
+        False,
+    )
+    assert loop.recovery_mode == "restart"
+    assert (
+        command_errors({"entrypoint": "t.py:f", "code": PACKAGE, "fault_tolerance": "in_place"})[0][
+            0
+        ]
+        == "fault_tolerance"
+    )
     assert command_errors({"command": ["python"], "fault_tolerance": "in_place"}) == [
         (
             "fault_tolerance",
