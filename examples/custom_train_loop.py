@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastic.train.context import TrainContext
+from elastic.train.context import MicroBatch, TrainContext
 
 
 def make_points(n: int, seed: int) -> TensorDataset:
@@ -52,6 +52,16 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
         torch.optim.Adam(model.parameters(), lr=float(hp.get("learning_rate", 3e-3)))
     )
 
+    def forward(micro: MicroBatch) -> torch.Tensor:
+        # The loop's own forward pass over one micro-batch (rows of this worker's share, on
+        # its device): any model call, any loss, as long as it gives one loss per sample.
+        return squared_error(model(micro.inputs), micro.targets)
+
+    def clip() -> None:
+        # Between the last backward pass and the optimizer step: the gradients are the
+        # global batch's, combined across the workers.
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+
     for batch in ctx.batches(
         train,
         global_batch_size=int(hp.get("global_batch_size", 128)),
@@ -60,9 +70,12 @@ def train_loop(config: dict[str, Any], ctx: TrainContext) -> None:
         lr_schedule="cosine",
         report_every_steps=int(hp.get("report_every_steps", 8)),
     ):
-        # batch.inputs / batch.targets: this worker's share of the step, on its device.
-        ctx.train_step(batch, squared_error)
+        # The step's mean loss over the global batch, the same on every worker (None only
+        # in place, for a step a lost peer cut short: it comes again).
+        loss = ctx.train_step(batch, forward=forward, before_step=clip)
         if batch.ends_epoch:
+            if ctx.rank == 0 and loss is not None:
+                print(f"step {batch.step}: loss {loss:.4f}", flush=True)
             # Collective: every worker evaluates its part of the held-out set.
             ctx.evaluate(held_out, loss_per_sample=squared_error)
             ctx.report(lr=optimizer.param_groups[0]["lr"])

@@ -35,15 +35,16 @@ from elastic.in_place.steps import (
 )
 from elastic.train import mlflow_log
 from elastic.train.context import (
+    BeforeStep,
     LoopSettings,
     LossPerSample,
     StepBatch,
     TrainContext,
-    _map,
-    _rows,
     micro_batches,
 )
+from elastic.train.micro_batch import Forward, map_tensors, micro_batch, split_batch
 from elastic.train.sampling import SamplerPosition, advance, epoch_permutation
+from elastic.train.step_loader import LoaderOptions, StepReader, keys
 from elastic.train.tensorboard import TensorBoardLog
 
 SUM = torch.distributed.ReduceOp.SUM
@@ -126,7 +127,16 @@ class InPlaceContext(TrainContext):
         report_every_steps: int = 1,
         record_samples: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
     ) -> Iterator[StepBatch]:
+        """As ``TrainContext.batches``, each step's samples chosen by the quorum that trains
+        it. Worker processes (``num_workers``) read a step's samples in parallel once its
+        quorum has chosen them, never ahead, and live as long as the loop, whatever
+        ``persistent_workers`` says."""
+        loading = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         settings = LoopSettings(
             global_batch_size,
             seed,
@@ -142,8 +152,7 @@ class InPlaceContext(TrainContext):
         assert self.model is not None
         rng = RankRng(self.replica, seed, lambda: self.step, self.checkpoints.gather)
         self.checkpoints.state.register("rng", rng)
-        collate = collate_fn or default_collate
-        set_epoch = getattr(dataset, "set_epoch", None)
+        reader = StepReader(dataset, collate_fn or default_collate, loading, self.device)
         samples = _CommittedSamples(self.worker, self.replica, record_samples)
         self.manager = self.manager_factory(self._load_heal_state, self._heal_state)
         # torchft counts committed steps itself: it starts where this replica's state is, so
@@ -194,15 +203,13 @@ class InPlaceContext(TrainContext):
                 indices, global_batch = participant_indices(
                     perm, position, dataset_size, global_batch_size, participants, rank
                 )
-            if set_epoch is not None:
-                set_epoch(position.epoch)
-            inputs, targets = collate([dataset[i] for i in (indices or [0])])
+            inputs, targets = split_batch(reader.read(keys(position.epoch, indices or [0])))
             after = advance(position, dataset_size, global_batch_size)
             batch = StepBatch(
                 step=self.step + 1,
                 epoch=position.epoch,
-                inputs=_map(inputs, lambda t: t.to(self.device)),
-                targets=targets.to(self.device),
+                inputs=map_tensors(inputs, lambda t: t.to(self.device)),
+                targets=map_tensors(targets, lambda t: t.to(self.device)),
                 global_batch=global_batch,
                 indices=indices,
                 ends_epoch=after.epoch != position.epoch,
@@ -306,12 +313,22 @@ class InPlaceContext(TrainContext):
         finally:
             self.worker.rank = rank
 
-    def train_step(self, batch: StepBatch, loss_per_sample: LossPerSample) -> None:
+    def train_step(
+        self,
+        batch: StepBatch,
+        loss_per_sample: LossPerSample | None = None,
+        *,
+        forward: Forward | None = None,
+        before_step: BeforeStep | None = None,
+    ) -> float | None:
+        """As ``TrainContext.train_step``; ``before_step`` runs only on a step that commits,
+        on the quorum's summed gradients. Returns None for a step discarded (a peer of it
+        lost): the next quorum redoes it whole."""
         model, optimizer = self.model, self.optimizer
         assert model is not None and optimizer is not None and self.scheduler is not None
         assert self.manager is not None
+        run = self._forward_pass(loss_per_sample, forward)
         inputs = self._cast(batch.inputs)
-        targets = batch.targets
         if self._buckets is None:
             self._buckets = GradientBuckets([p for p in model.parameters() if p.requires_grad])
         buckets, manager = self._buckets, self.manager
@@ -328,14 +345,9 @@ class InPlaceContext(TrainContext):
             if n == len(passes) - 1:
                 buckets.arm(launch)
             with self.precision.autocast():
-                outputs = model(_rows(inputs, a, b))
-                losses = loss_per_sample(outputs, targets[a:b])
-            if (
-                isinstance(outputs, torch.Tensor)
-                and outputs.dim() == 2
-                and not targets.is_floating_point()
-            ):
-                totals[1] += (outputs.argmax(dim=1) == targets[a:b]).sum()
+                losses, right = run(micro_batch(inputs, batch.targets, a, b, padding=False))
+            if right is not None:
+                totals[1] += right
             totals[0] += losses.detach().double().sum()
             self.precision.backward(losses.sum() * weight)
         if not passes:
@@ -343,16 +355,19 @@ class InPlaceContext(TrainContext):
         works = [*buckets.launch_rest(), launch(totals)]
         if not self.abort.wait_all(works, self.manager):
             buckets.renew()  # the abandoned all-reduce keeps the old buffers
-            return  # a peer of this step is gone: discarded, redone by the next quorum
+            return None  # a peer of this step is gone: discarded, redone by the next quorum
         if not self.manager.should_commit():
-            return
-        self.checkpoints.before_update()
+            return None
+        self.checkpoints.before_update()  # the hook may write what the snapshot copies
+        self._before_step(before_step)
         self.precision.step(optimizer)
         self.scheduler.step()
         self._totals = totals
+        self._counts_accuracy = forward is None
         self._step_global_batch = batch.global_batch
         self._trained = batch.step
         self._committed = True
+        return float(totals[0]) / batch.global_batch
 
     def _report(self, last_step: int, samples_per_s: float | None) -> bool:
         """The quorum's rank 0 reports the step. Every replica builds the report, since the

@@ -11,6 +11,16 @@ pausing at a checkpoint so the supervisor can grow the job, and metrics.
     optimizer = ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     for batch in ctx.batches(dataset, global_batch_size=64, epochs=3):
         ctx.train_step(batch, nn.CrossEntropyLoss(reduction="none"))
+
+or, with the loop's own forward pass and a hook before the optimizer step:
+
+    def forward(micro: MicroBatch) -> torch.Tensor:  # one loss per sample
+        out = model(**micro.inputs)
+        return F.cross_entropy(out.logits, micro.inputs["labels"], reduction="none")
+
+    for batch in ctx.batches(dataset, global_batch_size=64, epochs=3, num_workers=4):
+        loss = ctx.train_step(batch, forward=forward,
+                              before_step=lambda: clip_grad_norm_(model.parameters(), 1.0))
 """
 
 from __future__ import annotations
@@ -47,6 +57,14 @@ from elastic.train.distributed import (
     wrap_model,
 )
 from elastic.train.lr_schedule import lr_factor
+from elastic.train.micro_batch import (
+    Forward,
+    MicroBatch,
+    map_tensors,
+    micro_batch,
+    per_sample_losses,
+    split_batch,
+)
 from elastic.train.process_group import AttemptAbandoned, all_reduce
 from elastic.train.sampling import (
     SamplerPosition,
@@ -56,9 +74,13 @@ from elastic.train.sampling import (
     share,
     steps_per_epoch,
 )
+from elastic.train.step_loader import EpochItems, Key, LoaderOptions, keys
 from elastic.train.worker import WorkerContext
 
 LossPerSample = Callable[[Any, torch.Tensor], torch.Tensor]
+# Called once the step's gradients are final (combined across workers, weighted to the
+# global batch's mean, unscaled) and before the optimizer step: clipping, penalties.
+BeforeStep = Callable[[], Any]
 
 
 class PausedForResize(BaseException):
@@ -86,7 +108,7 @@ class StepBatch:
     step: int  # the optimizer step this batch makes (1-based)
     epoch: int
     inputs: Any
-    targets: torch.Tensor
+    targets: Any  # None when the samples are not (inputs, targets) pairs (a dict, say)
     global_batch: int  # samples in the step across all ranks
     indices: list[int]  # this rank's samples (none when a short last batch left it none)
     ends_epoch: bool  # the last step of its epoch: a place for a held-out evaluation
@@ -132,20 +154,6 @@ def micro_batch_plan(share_size: int, micro_batch_size: int, passes: int) -> lis
     return slices + [(0, 0)] * (passes - len(slices))
 
 
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_map(v, fn) for v in obj)
-    return obj
-
-
-def _rows(obj: Any, start: int, end: int) -> Any:
-    return _map(obj, lambda t: t[start:end])
-
-
 class PerSampleRandom(Dataset[Any]):
     """A dataset whose items draw random numbers (augmentations), made to draw them from
     a generator of their own: item ``i`` of epoch ``e`` is seeded by (seed, e, i), so it is
@@ -174,8 +182,11 @@ class PerSampleRandom(Dataset[Any]):
             return self.dataset[i]
 
 
-class _StepBatches(torch.utils.data.Sampler[list[int]]):
-    """Feeds the DataLoader this rank's indices for each optimizer step from a position."""
+class _StepBatches(torch.utils.data.Sampler[list[Key]]):
+    """Feeds the DataLoader this rank's items for each of ``steps`` optimizer steps from a
+    position, each item as (epoch, index) (see ``elastic.train.step_loader``). Iterated in
+    the main process, ahead of training when worker processes prefetch: ``plan`` queues
+    what each batch is, in the order the batches come back."""
 
     def __init__(
         self,
@@ -184,9 +195,9 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
         settings: LoopSettings,
         world_size: int,
         rank: int,
-        on_epoch: Callable[[int], None] | None = None,
+        steps: int,
     ) -> None:
-        self.on_epoch = on_epoch
+        self.steps = steps
         self.position = position
         self.dataset_size = dataset_size
         self.settings = settings
@@ -194,23 +205,21 @@ class _StepBatches(torch.utils.data.Sampler[list[int]]):
         self.rank = rank
         self.plan: list[tuple[SamplerPosition, list[int], int]] = []
 
-    def __iter__(self) -> Iterator[list[int]]:
-        for position, indices, batch in rank_indices(
+    def __iter__(self) -> Iterator[list[Key]]:
+        steps = rank_indices(
             self.position,
             self.dataset_size,
             self.settings.global_batch_size,
             self.settings.seed,
             self.world_size,
             self.rank,
-        ):
+        )
+        # Bounded: prefetching workers would otherwise read past the run's last step.
+        for _, (position, indices, batch) in zip(range(self.steps), steps, strict=False):
             self.plan.append((position, indices, batch))
-            if self.on_epoch is not None:
-                # The loader reads this step's items right after the yield (no worker
-                # processes, no prefetch): they see the epoch they belong to.
-                self.on_epoch(position.epoch)
             # An empty share still feeds the model one row (the dataset's first sample, at
             # weight zero), so this rank joins every collective of the step.
-            yield indices or [0]
+            yield keys(position.epoch, indices or [0])
 
 
 class _SampleLog:
@@ -279,7 +288,9 @@ class TrainContext:
         # Set on every rank alike (by ``evaluate``, a collective): report at this step.
         self._report_now = False
         self._trained: int | None = None
+        # The last step's loss sum and right answers over its global batch (all workers).
         self._totals = torch.zeros(2, dtype=torch.float64)
+        self._counts_accuracy = True  # false after a step of the loop's own forward pass
         self._step_global_batch = 1  # the global batch of the step just taken
         self._final_step: int | None = None
         self._micro = 1
@@ -372,11 +383,19 @@ class TrainContext:
         report_every_steps: int = 1,
         record_samples: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
     ) -> Iterator[StepBatch]:
         """One ``StepBatch`` per optimizer step, from where the checkpoint left off to the
         first of ``epochs`` and ``max_steps``. Between steps it reports metrics, saves
         checkpoints every ``checkpoint.every_steps`` and, when the job is to grow, raises
-        ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch."""
+        ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch.
+
+        ``num_workers``, ``pin_memory``, ``persistent_workers`` and ``prefetch_factor`` are
+        the DataLoader's; the samples, their order and their per-sample random draws
+        (``PerSampleRandom``) are the same whatever they are."""
         settings = LoopSettings(
             global_batch_size,
             seed,
@@ -387,6 +406,7 @@ class TrainContext:
             warmup_steps,
             record_samples,
         )
+        loading = LoaderOptions(num_workers, pin_memory, persistent_workers, prefetch_factor)
         dataset_size = len(dataset)  # type: ignore[arg-type]
         last_step = self._begin_steps(settings, dataset_size)
         sampler = _StepBatches(
@@ -395,15 +415,14 @@ class TrainContext:
             settings,
             self.world_size,
             self.rank,
-            getattr(dataset, "set_epoch", None),
+            last_step - self.step,
         )
         loader = DataLoader(
-            dataset,
+            EpochItems(dataset),
             batch_sampler=sampler,
-            num_workers=0,
             collate_fn=collate_fn,
-            pin_memory=self.device.type == "cuda",
             generator=_detached_generator(),
+            **loading.loader_kwargs(self.device),
         )
         samples = _SampleLog(self.worker, record_samples)
         # After the loop has built (and seeded alike) its model: from here on each rank
@@ -417,14 +436,14 @@ class TrainContext:
         self.model.train()
         batch_iter = iter(loader)
         while self.step < last_step:
-            inputs, targets = next(batch_iter)
+            inputs, targets = split_batch(next(batch_iter))
             position, indices, global_batch = sampler.plan.pop(0)
             after = advance(position, dataset_size, global_batch_size)
             batch = StepBatch(
                 step=self.step + 1,
                 epoch=position.epoch,
-                inputs=_map(inputs, lambda t: t.to(self.device, non_blocking=True)),
-                targets=targets.to(self.device, non_blocking=True),
+                inputs=map_tensors(inputs, lambda t: t.to(self.device, non_blocking=True)),
+                targets=map_tensors(targets, lambda t: t.to(self.device, non_blocking=True)),
                 global_batch=global_batch,
                 indices=indices,
                 ends_epoch=after.epoch != position.epoch,
@@ -432,8 +451,7 @@ class TrainContext:
             yield batch
             if self._trained != batch.step:
                 raise RuntimeError(
-                    f"step {batch.step}: every batch must go through "
-                    "ctx.train_step(batch, loss_per_sample)"
+                    f"step {batch.step}: every batch must go through ctx.train_step(batch, ...)"
                 )
             self.step = batch.step
             samples.write(self.step, position.epoch, indices)
@@ -493,16 +511,30 @@ class TrainContext:
         self._micro = math.ceil(settings.global_batch_size / self.worker.max_workers)
         return last_step
 
-    def train_step(self, batch: StepBatch, loss_per_sample: LossPerSample) -> None:
+    def train_step(
+        self,
+        batch: StepBatch,
+        loss_per_sample: LossPerSample | None = None,
+        *,
+        forward: Forward | None = None,
+        before_step: BeforeStep | None = None,
+    ) -> float | None:
         """Forward and backward over the batch in micro-batches, the gradients of the whole
-        global batch combined across workers, then one optimizer and LR-schedule step.
-        ``loss_per_sample(outputs, targets)`` returns one loss per sample (e.g.
-        ``nn.CrossEntropyLoss(reduction="none")``): the step minimises their exact mean
-        over the global batch whatever the world size."""
+        global batch combined across workers, then one optimizer and LR-schedule step;
+        returns the step's mean loss over the global batch (every worker gets the same).
+
+        The forward pass is the context's, ``loss_per_sample(model(inputs), targets)``, or
+        the loop's own, ``forward(micro)`` for each :class:`MicroBatch`. Either returns one
+        loss per sample (e.g. ``reduction="none"``): the step minimises their exact mean
+        over the global batch whatever the world size. ``before_step()`` runs between the
+        last backward pass and the optimizer step, on the final gradients.
+
+        In place a step a lost peer cut short is discarded: it returns None and the same
+        samples come again."""
         model, optimizer = self.model, self.optimizer
         assert model is not None and optimizer is not None and self.scheduler is not None
+        run = self._forward_pass(loss_per_sample, forward)
         inputs = self._cast(batch.inputs)
-        targets = batch.targets
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -512,26 +544,27 @@ class TrainContext:
             padding = b == a
             if padding:
                 a, b = 0, 1  # one row through the model, weighted zero
+            micro = micro_batch(inputs, batch.targets, a, b, padding)
             # Gradients are combined on the last micro-batch only; the others accumulate.
             with gradient_sync(model, sync=n == len(slices) - 1):
                 with self.precision.autocast():
-                    outputs = model(_rows(inputs, a, b))
-                    losses = loss_per_sample(outputs, targets[a:b])
+                    losses, right = run(micro)
                 if padding:
                     loss = losses.sum() * 0.0
                 else:
                     # DDP and FSDP average over ranks; world/global makes the sum the exact
                     # mean over the global batch whatever the world size and its split.
                     loss = losses.sum() * (self.world_size / batch.global_batch)
-                    if (
-                        isinstance(outputs, torch.Tensor)
-                        and outputs.dim() == 2
-                        and not targets.is_floating_point()
-                    ):
-                        correct += (outputs.argmax(dim=1) == targets[a:b]).sum()
+                    if right is not None:
+                        correct += right
                     loss_sum += losses.detach().sum()
                 self.precision.backward(loss)
-        self.checkpoints.before_update()
+        totals = torch.stack([loss_sum, correct])
+        if self.world_size > 1:
+            # The step's loss over the global batch, for the loop and the report alike.
+            all_reduce(totals, self.worker.abandoned)
+        self.checkpoints.before_update()  # the hook may write what the snapshot copies
+        self._before_step(before_step)
         self.precision.step(optimizer)
         self.worker.completed_step = batch.step
         self.scheduler.step()
@@ -542,16 +575,65 @@ class TrainContext:
             self.local_sgd.due(batch.step) or batch.step == self._final_step
         ):
             self.local_sgd.average(model, batch.step)
-        self._totals = torch.stack([loss_sum, correct])
+        self._totals = totals
+        self._counts_accuracy = forward is None
         self._step_global_batch = batch.global_batch
         self._trained = batch.step
+        return float(totals[0]) / batch.global_batch
+
+    def _forward_pass(
+        self, loss_per_sample: LossPerSample | None, forward: Forward | None
+    ) -> Callable[[MicroBatch], tuple[torch.Tensor, torch.Tensor | None]]:
+        """A micro-batch's per-sample losses and, for the context's own forward pass over
+        class scores, its count of right answers (the report's accuracy)."""
+        if (loss_per_sample is None) == (forward is None):
+            raise TypeError("give train_step either loss_per_sample or forward=, not both")
+        if forward is not None:
+            user_forward = forward
+
+            def own(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+                return per_sample_losses(user_forward(micro), micro), None
+
+            return own
+        assert self.model is not None and loss_per_sample is not None
+        model, loss_fn = self.model, loss_per_sample
+
+        def context_s(micro: MicroBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if micro.targets is None:
+                raise ValueError(
+                    "this dataset's samples are not (inputs, targets) pairs: pass "
+                    "train_step a forward=fn(micro) that computes the loss from micro.inputs"
+                )
+            outputs = model(micro.inputs)
+            losses = loss_fn(outputs, micro.targets)
+            right = None
+            if (
+                isinstance(outputs, torch.Tensor)
+                and outputs.dim() == 2
+                and isinstance(micro.targets, torch.Tensor)
+                and not micro.targets.is_floating_point()
+            ):
+                right = (outputs.argmax(dim=1) == micro.targets).sum()
+            return losses, right
+
+        return context_s
+
+    def _before_step(self, before_step: BeforeStep | None) -> None:
+        if before_step is None:
+            return
+        if self.precision.scaler is not None:
+            assert self.optimizer is not None
+            # fp16: the hook sees the true gradients (a clipping norm means what it says);
+            # the scaler's step then knows they are unscaled already.
+            self.precision.scaler.unscale_(self.optimizer)
+        before_step()
 
     def _cast(self, inputs: Any) -> Any:
         """Floating inputs in the model's dtype (float64 runs)."""
         dtype = self.dtype
         if dtype is None or dtype == torch.float32:
             return inputs
-        return _map(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        return map_tensors(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
     def report(self, **metrics: Any) -> None:
         """Extra metrics for the next report (this step's when it reports, as after
@@ -588,7 +670,7 @@ class TrainContext:
                     Subset(dataset, idx), batch_size=len(idx), generator=_detached_generator()
                 )
                 inputs, targets = next(iter(rows))
-                inputs = self._cast(_map(inputs, lambda t: t.to(self.device)))
+                inputs = self._cast(map_tensors(inputs, lambda t: t.to(self.device)))
                 targets = targets.to(self.device)
                 with self.precision.autocast():
                     outputs = model(inputs)
@@ -616,18 +698,17 @@ class TrainContext:
 
     def _report(self, last_step: int, samples_per_s: float | None) -> bool:
         """Report the step's metrics; returns whether a node of the attempt is draining,
-        which rank 0 knows and the sum that the report needs anyway tells every rank."""
+        which rank 0 knows and a sum at each report tells every rank."""
         drain = 1.0 if self.rank == 0 and self.worker.drain_noticed() else 0.0
         flag = torch.tensor([drain], dtype=torch.float64, device=self.device)
-        totals = torch.cat([self._totals.to(self.device, torch.float64), flag])
         if self.world_size > 1:
-            all_reduce(totals, self.worker.abandoned)
+            all_reduce(flag, self.worker.abandoned)
         if self.rank == 0:
-            report = self._metrics(totals, last_step, samples_per_s, self.world_size)
+            report = self._metrics(self._totals, last_step, samples_per_s, self.world_size)
             self.worker.emit(EventKind.METRICS, report)
         self._extra_metrics = {}
         self._report_now = False
-        return bool(totals[2] > 0)
+        return bool(flag[0] > 0)
 
     def _metrics(
         self,
@@ -646,7 +727,8 @@ class TrainContext:
             "step": self.step,
             "epoch": self.position.epoch if self.position.consumed else self.position.epoch - 1,
             "loss": float(totals[0]) / global_batch,
-            "accuracy": float(totals[1]) / global_batch,
+            # Counted only by the context's own forward pass, which sees the outputs.
+            "accuracy": float(totals[1]) / global_batch if self._counts_accuracy else None,
             "samples_per_s": samples_per_s,
             "learning_rate": self.scheduler.get_last_lr()[0],
             "world_size": world_size,
@@ -714,6 +796,7 @@ def run_with_context(
 
 
 __all__ = [
+    "MicroBatch",
     "PausedForResize",
     "PerSampleRandom",
     "StepBatch",

@@ -185,3 +185,77 @@ def test_a_draining_replica_leaves_at_a_step_boundary(tmp_path: Path) -> None:
             if batch.step == 2:
                 ctx.leaving.set()
     assert left.value.step == 2 and ctx.step == 2
+
+
+# -- the loop's own forward pass, and worker processes ----------------------------------------
+
+
+def own_forward(ctx: InPlaceContext, **loading: Any) -> tuple[list[Any], list[list[int]]]:
+    """The user's loop with its own forward pass and a hook before each optimizer step:
+    what each step returned, and each batch's indices."""
+    torch.manual_seed(SEED)
+    model = ctx.prepare_model(nn.Linear(4, 1, dtype=torch.float64))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    returned: list[Any] = []
+    indices: list[list[int]] = []
+    hooked: list[int] = []
+    batches = ctx.batches(data(), BATCH, max_steps=6, seed=SEED, lr_schedule="cosine", **loading)
+    for batch in batches:
+        indices.append(list(batch.indices))
+        loss = ctx.train_step(
+            batch,
+            forward=lambda m: squared_error(model(m.inputs), m.targets),
+            before_step=lambda step=batch.step: hooked.append(step),
+        )
+        returned.append(loss)
+    ctx.state["hooked"] = hooked
+    return returned, indices
+
+
+def test_the_loop_s_own_forward_trains_as_the_context_s_and_returns_the_quorum_s_mean(
+    tmp_path: Path,
+) -> None:
+    """Bit for bit the model of ``train_step(batch, loss_per_sample)``; each committed step
+    returns its mean loss over the global batch, a discarded one None, and the hook runs
+    once per committed step."""
+    clean = replica(tmp_path / "clean", ScriptedManager([(1, 0, True)]))
+    train(clean, 6)
+    script = [(1, 0, True)] * 2 + [(1, 0, False), (1, 0, True)]
+    own = replica(tmp_path / "own", ScriptedManager(script))
+    returned, _ = own_forward(own)
+
+    for a, b in zip(parameters(own), parameters(clean), strict=True):
+        assert torch.equal(a, b)
+    assert returned[2] is None and len(returned) == 7
+    reported = [d["loss"] for k, d in own.worker.local_events if k == EventKind.METRICS]
+    assert [r for r in returned if r is not None] == reported
+    assert own.state["hooked"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_the_returned_loss_is_the_mean_over_the_step_s_samples(tmp_path: Path) -> None:
+    ctx = replica(tmp_path, ScriptedManager([(1, 0, True)]))
+    x, y = data().tensors
+    torch.manual_seed(SEED)
+    model = ctx.prepare_model(nn.Linear(4, 1, dtype=torch.float64))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in ctx.batches(data(), BATCH, max_steps=3, seed=SEED):
+        with torch.no_grad():
+            by_hand = float(squared_error(model(x[batch.indices]), y[batch.indices]).mean())
+        loss = ctx.train_step(batch, forward=lambda m: squared_error(model(m.inputs), m.targets))
+        assert loss == pytest.approx(by_hand, rel=1e-13, abs=0)
+
+
+def test_worker_processes_read_each_step_s_samples_as_the_replica_itself_does(
+    tmp_path: Path,
+) -> None:
+    """The quorum grows from 1 to 2 at step 3 (this replica is its rank 1): the samples of
+    each step are those its quorum chose, read by worker processes or not."""
+    script = [(1, 0, True)] * 2 + [(2, 1, True)]
+    alone = replica(tmp_path / "alone", ScriptedManager(script))
+    _, alone_indices = own_forward(alone)
+    workers = replica(tmp_path / "workers", ScriptedManager(script))
+    _, worker_indices = own_forward(workers, num_workers=2)
+    assert worker_indices == alone_indices
+    assert len(alone_indices[0]) == BATCH and len(alone_indices[2]) == BATCH // 2
+    for a, b in zip(parameters(workers), parameters(alone), strict=True):
+        assert torch.equal(a, b)
