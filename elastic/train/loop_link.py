@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from elastic.events import EventKind
 from elastic.train.worker import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,50 @@ log = logging.getLogger(__name__)
 # with a 30 s timeout of its own.
 ANSWER_WAIT_S = 60.0
 ATTACH_WAIT_S = 10.0
+
+
+# What a loop's context emits, and the fields of each that the supervisor and the service
+# read as numbers: nothing else a child sends is passed on, since the child runs the
+# owner's code and its lines may say anything.
+RELAYED: dict[str, tuple[str, ...]] = {
+    EventKind.METRICS: ("step",),
+    EventKind.CHECKPOINT_SAVED: ("step", "size_bytes", "created_at"),
+    EventKind.CHECKPOINT_REMOVED: ("step",),
+    EventKind.CHECKPOINT_CORRUPT: ("step",),
+    EventKind.FAILURE_SIGNAL: (),
+}
+NUMBERS = frozenset(
+    {
+        "step",
+        "completed_step",
+        "world_size",
+        "total_steps",
+        "size_bytes",
+        "created_at",
+        "time",
+        "rank",
+        "loss",
+        "samples_per_s",
+    }
+)
+
+
+def relayable(kind: str, data: Any) -> str | None:
+    """Why an event from a loop's child is not passed on; None when it is."""
+    if kind not in RELAYED:
+        return f"not an event a loop sends: {kind[:40]!r}"
+    if not isinstance(data, dict):
+        return "its data is not an object"
+    for name in RELAYED[kind]:
+        if name not in data:
+            return f"{kind} without {name!r}"
+    for name, value in data.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in NUMBERS and value is not None and not number:
+            return f"{kind}: {name!r} is not a number"
+        if name == "path" and not isinstance(value, str):
+            return f"{kind}: 'path' is not a string"
+    return None
 
 
 def _plain(value: Any) -> Any:
@@ -152,11 +197,16 @@ class ChildRelay:
         if not isinstance(message, dict):
             return
         if "emit" in message:
-            data = dict(message.get("data") or {})
+            kind, data = str(message["emit"]), message.get("data")
+            why_not = relayable(kind, data)
+            if why_not is not None:
+                log.warning("an event from the loop's process is dropped: %s", why_not)
+                return
+            assert isinstance(data, dict)
             done = data.get("completed_step")
             if isinstance(done, int):
                 self.worker.completed_step = max(self.worker.completed_step, done)
-            self.worker.emit(str(message["emit"]), data)
+            self.worker.emit(kind, data)
         elif message.get("ask") == "pause":
             self._answer({"pause": self.worker.should_pause(int(message["step"]))})
         elif "code_error" in message:

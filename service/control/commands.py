@@ -149,7 +149,14 @@ class JobControl:
         while True:
             try:
                 jobs = await asyncio.to_thread(self.store.active_jobs)
-                await asyncio.gather(*(self.pump.sync(j.id) for j in jobs))
+                # One job's failure to sync (an event its store fold refused) is that job's:
+                # the others' events, and the overtime checks below, go on.
+                synced = await asyncio.gather(
+                    *(self.pump.sync(j.id) for j in jobs), return_exceptions=True
+                )
+                for job, outcome in zip(jobs, synced, strict=True):
+                    if isinstance(outcome, Exception):
+                        log.error("syncing job %s failed", job.id, exc_info=outcome)
                 for job_id, why in await self.maintenance.overtime(jobs):
                     with contextlib.suppress(JobAlreadyEnded):  # it ended meanwhile
                         await self.cancel(job_id, why)

@@ -454,3 +454,40 @@ def assert_samples_once(job_root: Path, steps: int, mode: str) -> None:
         assert len(counted) == steps * BATCH - (steps // 16) * (16 * BATCH - DATASET)
     else:
         assert_every_sample_once(job_root, steps)
+
+
+USER_CODE = Path(__file__).parents[1] / "workloads"
+
+
+@pytest.mark.parametrize("style", ["command", "loop"])
+def test_a_users_own_code_trains_across_hosts_whose_names_do_not_resolve(
+    api: httpx.Client, hosts: HostCluster, style: str
+) -> None:
+    """A user's process is a child of its worker, with no Ray of its own: its process group
+    must still find its peers by address (the worker's Gloo interface, passed on), not by a
+    host name that resolves to 127.0.1.1 on its own host."""
+    from elastic_train.code_archive import pack
+
+    package = pack(USER_CODE / ("torchrun_script" if style == "command" else "package_loop"))
+    r = api.post("/v1/code", content=package.data, headers={"Content-Type": "application/gzip"})
+    assert r.status_code in (200, 201), r.text
+    spec: dict[str, Any] = {
+        "name": f"own-{style}",
+        "code": r.json()["id"],
+        "scaling": {"min_workers": 1, "max_workers": NODES, "cpus_per_worker": 1},
+    }
+    if style == "command":
+        spec["command"] = ["python", "train.py", "--steps", "12"]
+    else:
+        spec["entrypoint"] = "train.py:train_loop"
+        spec["hyperparameters"] = {"steps": 12}
+    job = api.post("/v1/jobs", json=spec).json()
+    assert "id" in job, job
+    done = wait_until_ended(api, job["id"], 240)
+    events = all_events(api, job["id"])
+    lines = [line[2] for e in events if e["kind"] == "log" for line in e["data"]["lines"]]
+    assert (done["state"], done["step"]) == ("succeeded", 12), lines[-20:]
+    (started,) = [e["data"] for e in events if e["kind"] == "attempt_started"]
+    assert started["world_size"] == NODES, started
+    steps = [e["data"]["step"] for e in events if e["kind"] == "metrics" and "loss" in e["data"]]
+    assert steps == list(range(1, 13)), steps

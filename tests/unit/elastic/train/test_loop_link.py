@@ -1,0 +1,87 @@
+"""The line between a worker and its loop's confined child: what the child's context
+emits reaches the supervisor through the worker, and nothing else the child writes does."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from elastic.events import EventKind
+from elastic.train.loop_link import ChildRelay, ParentLink, PipedWorker, relayable
+from elastic.train.worker import WorkerContext
+from elastic.train.worker_config import WorkerConfig
+
+
+def test_only_the_events_a_loop_sends_with_numbers_where_numbers_belong_pass() -> None:
+    assert relayable(EventKind.METRICS, {"step": 3, "loss": 0.5, "world_size": 2}) is None
+    assert relayable(EventKind.METRICS, {"step": 3, "loss": None}) is None
+    saved = {"step": 5, "size_bytes": 10, "created_at": 1.5, "path": "step_5"}
+    assert relayable(EventKind.CHECKPOINT_SAVED, saved) is None
+    assert relayable("state", {"state": "succeeded"}) == "not an event a loop sends: 'state'"
+    assert relayable(EventKind.METRICS, {"loss": 1.0}) == "metrics without 'step'"
+    assert relayable(EventKind.METRICS, {"step": "3"}) == "metrics: 'step' is not a number"
+    assert relayable(EventKind.METRICS, {"step": True}) == "metrics: 'step' is not a number"
+    assert relayable(EventKind.METRICS, [1]) == "its data is not an object"
+    assert (
+        relayable(EventKind.CHECKPOINT_SAVED, {**saved, "path": ["../x"]})
+        == "checkpoint_saved: 'path' is not a string"
+    )
+
+
+def test_a_child_s_events_and_questions_go_through_its_worker(tmp_path: Path) -> None:
+    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=5)
+    asked: list[int] = []
+
+    def should_pause(step: int) -> bool:
+        asked.append(step)
+        return step == 10
+
+    worker.should_pause = should_pause  # type: ignore[method-assign]
+    up_read, up_write = os.pipe()
+    down_read, down_write = os.pipe()
+    points: list[bytes] = []
+    relay = ChildRelay(worker, points.append)
+    relay.attach(os.fdopen(down_write, "wb"))
+
+    def pump() -> None:
+        with os.fdopen(up_read, "rb") as pipe:
+            for raw in pipe:
+                relay.line(raw)
+
+    reader = threading.Thread(target=pump)
+    reader.start()
+    link = ParentLink(up_write, down_read)
+    child = PipedWorker(
+        rank=0,
+        world_size=1,
+        config=WorkerConfig(checkpoint_dir=str(tmp_path), every_steps=5, keep=1, max_workers=1),
+        supervisor=None,
+        device=torch.device("cpu"),
+        link=link,
+    )
+    child.emit(EventKind.METRICS, {"step": 4, "loss": torch.tensor(0.25), "completed_step": 4})
+    child.emit("state", {"state": "succeeded"})  # not the child's to say: dropped
+    assert child.should_pause(5) is False
+    assert child.should_pause(10) is True
+    link.send({"step": 4, "accuracy": 0.5})  # elastic_train.report's line
+    link.send({"code_error": "cannot load train.py:loop"})
+    assert not child.drain_noticed()
+    relay.tell_drain()
+    for _ in range(100):
+        if child.drain_noticed():
+            break
+        threading.Event().wait(0.01)
+    assert child.drain_noticed()
+    os.close(up_write)
+    reader.join(5)
+    assert worker.local_events == [
+        (EventKind.METRICS, {"attempt": 1, "step": 4, "loss": 0.25, "completed_step": 4})
+    ]
+    assert worker.completed_step == 4
+    assert asked == [5, 10]
+    assert [json.loads(p) for p in points] == [{"step": 4, "accuracy": 0.5}]
+    assert relay.code_error == "cannot load train.py:loop"
