@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import torch
 
 from elastic.train import command_confinement, command_env, command_requirements
@@ -156,8 +157,12 @@ def _raylet_pid() -> int:
     return int(found.stdout.split()[0])
 
 
-def test_a_command_cannot_reach_what_is_not_its_own(server: LiveServer, tmp_path: Path) -> None:
-    """A hostile job's code tries each thing it must not do; another user's job trains on."""
+@pytest.mark.parametrize("style", ["command", "loop"])
+def test_a_users_code_cannot_reach_what_is_not_its_own(
+    server: LiveServer, tmp_path: Path, style: str
+) -> None:
+    """A hostile job's code tries each thing it must not do; another user's job trains on.
+    The same tries run as a command and as a package's ``train_loop``."""
     admin = server.client()
     bob = server.client(token=create_user_token(admin, "bob"))
     other = bob.post("/v1/jobs", json={**small_job(max_steps=60), "name": "bystander"})
@@ -175,11 +180,14 @@ def test_a_command_cannot_reach_what_is_not_its_own(server: LiveServer, tmp_path
     secrets = [str(others / "secret"), str(checkpoint), str(database), ray_session, "/etc/shadow"]
     marker = f"{600 + os.getpid() % 1000}.{int(time.time()) % 1000}"
     raylet = _raylet_pid()
-    argv = ["python", "probe.py", ",".join(secrets), str(tmp_path), str(raylet), marker]
+    args = [",".join(secrets), str(tmp_path), str(raylet), marker]
+    spec: dict[str, Any] = {"name": "probe", "failure": {"max_restarts": 0}}
+    if style == "command":
+        spec["command"] = ["python", "probe.py", *args]
+    else:
+        spec |= {"entrypoint": "probe.py:train_loop", "hyperparameters": {"args": args}}
     with Client(server.url, create_user_token(admin, "mallory")) as mallory:
-        job = mallory.submit(
-            {"name": "probe", "command": argv, "failure": {"max_restarts": 0}}, code=PROBE_DIR
-        )
+        job = mallory.submit(spec, code=PROBE_DIR)
     final = ended(admin, job.id, timeout=120)
     text = log_text(admin, job.id)
     assert final["state"] == "succeeded", text
@@ -188,7 +196,10 @@ def test_a_command_cannot_reach_what_is_not_its_own(server: LiveServer, tmp_path
     expected_uid = command_env.uid_of("mallory") if reachable else 0
     assert probe["uid"] == expected_uid
     assert probe["cap_eff"] == "0000000000000000"
-    assert probe["env"] == ["ETRAIN_CHECKPOINT_DIR", "ETRAIN_REPORT_FD"]
+    assert probe["env"] == sorted(
+        ["ETRAIN_CHECKPOINT_DIR", "ETRAIN_REPORT_FD"]
+        + (["ETRAIN_REPLY_FD"] if style == "loop" else [])
+    )
     assert all(got.startswith("refused") for got in probe["read"].values()), probe["read"]
     assert all(got.startswith("refused") for got in probe["list"].values()), probe["list"]
     assert probe["write"].startswith("refused") and not (tmp_path / "planted").exists()

@@ -1,5 +1,6 @@
-"""A command job's code that tries to reach what is not its own, and prints one JSON line
-(prefixed ``PROBE``) of what each try got: the isolation test reads it from the job's log.
+"""A job's code (a command, or a ``train_loop``) that tries to reach what is not its own,
+and prints one JSON line (prefixed ``PROBE``) of what each try got: the isolation test reads
+it from the job's log.
 
 Arguments: files it must not read, a directory it must not write, a process it must not
 signal, and a marker for the process it leaves behind."""
@@ -21,9 +22,9 @@ def attempt(what: object) -> str:
     return f"got: {str(result)[:80]!r}"
 
 
-def main() -> None:
-    secrets, marker = sys.argv[1].split(","), sys.argv[4]
-    no_write, pid = Path(sys.argv[2]), int(sys.argv[3])
+def main(args: list[str]) -> None:
+    secrets, marker = args[0].split(","), args[3]
+    no_write, pid = Path(args[1]), int(args[2])
     out: dict[str, object] = {"uid": os.getuid()}
     status = Path("/proc/self/status").read_text().splitlines()
     out["cap_eff"] = next(line.split()[1] for line in status if line.startswith("CapEff"))
@@ -50,5 +51,12 @@ def main() -> None:
     print("PROBE " + json.dumps(out, sort_keys=True), flush=True)
 
 
+def train_loop(config: dict[str, object], ctx: object) -> None:
+    """The same tries from a ``train_loop`` run with the ctx API (``probe.py:train_loop``)."""
+    hyperparameters = config["hyperparameters"]
+    assert isinstance(hyperparameters, dict)
+    main([str(a) for a in hyperparameters["args"]])
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
