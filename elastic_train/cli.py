@@ -206,20 +206,22 @@ def submit(
     type=click.Path(exists=True, file_okay=False),
     default=".",
     show_default=True,
-    help="The directory the command runs in.",
+    help="The directory the job's code is in (its command runs there).",
 )
 @click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True)
 @click.option("--set", "overrides", multiple=True, metavar="PATH=VALUE", help="Set a field.")
 def run_local(job_file: str, code_dir: str, workers: int, overrides: tuple[str, ...]) -> None:
-    """Run the command job in JOB_FILE on this machine, with no service and no Ray: WORKERS
-    processes with torchrun's environment, as the cluster's workers run it. Exit status:
-    the first failed process's, or 0."""
+    """Run the job in JOB_FILE (a command, or a loop of the package) on this machine, with no
+    service and no Ray: WORKERS processes with torchrun's environment, as the cluster's
+    workers run it. Exit status: the first failed process's, or 0."""
     from elastic_train import jobfile, protocol
     from elastic_train.run_local import RunLocalError
     from elastic_train.run_local import run_local as run
 
     spec = jobfile.apply_overrides(jobfile.load(job_file), list(overrides))
-    protocol.spec_body(spec)  # the service would refuse an invalid spec: so does this
+    # The service would refuse an invalid spec: so does this. The code is this directory,
+    # not an upload yet: any id stands for it.
+    protocol.spec_body({**spec, "code": spec.get("code") or "0" * 64})
     try:
         sys.exit(run(spec, code_dir, workers, out=click.echo))
     except RunLocalError as e:

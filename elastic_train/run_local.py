@@ -1,7 +1,12 @@
-"""``etrain run-local job.yaml --code DIR --workers N``: a command job on this machine, with
-no service and no Ray, as the cluster runs it: N processes of the command, each with the
+"""``etrain run-local job.yaml --code DIR --workers N``: a job of the user's own code on
+this machine, with no service and no Ray, as the cluster runs it: N processes, each with the
 environment torchrun gives a worker and the job's ``ETRAIN_CHECKPOINT_DIR``; rank 0's
-``elastic_train.report`` points are printed. A quick test before submitting.
+metrics are printed. A quick test before submitting.
+
+A command job runs its command. A loop of the package (``entrypoint: train.py:train_loop``)
+runs with the same context as on the cluster (``elastic/train/loop_child.py``): the same
+data order, global batch and checkpoints, kept under ``.etrain-local`` so that a second run
+resumes from the latest one, as a restart would.
 
 Like torchrun, the first process to fail ends the others (SIGTERM, then SIGKILL after the
 spec's ``stop_grace_s``); its status is the run's."""
@@ -13,6 +18,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +32,8 @@ from elastic.train.command_process import free_port, stop_group
 # second run resumes from it, as a restart would).
 LOCAL_DIR = ".etrain-local"
 POLL_S = 0.1
+# How long a local loop's processes wait for each other to form their group.
+LOCAL_GROUP_TIMEOUT_S = 120.0
 
 
 class RunLocalError(ValueError):
@@ -70,18 +78,71 @@ def _points(read_fd: int, out: Callable[[str], None]) -> None:
                 out("[metrics] " + " ".join(f"{k}={v}" for k, v in point.items()))
 
 
+def _loop_lines(read_fd: int, replies: IO[bytes], out: Callable[[str], None]) -> None:
+    """A loop's line to its worker, answered as a worker alone would: never pause (nothing
+    grows here); its metrics and checkpoints printed."""
+    with os.fdopen(read_fd, "rb") as pipe, replies:
+        for raw in pipe:
+            try:
+                message = json.loads(raw)
+            except ValueError:
+                continue
+            if not isinstance(message, dict):
+                continue
+            if message.get("ask") == "pause":
+                with contextlib.suppress(OSError, ValueError):
+                    replies.write(b'{"pause": false}\n')
+                    replies.flush()
+            elif "emit" in message:
+                data = message.get("data") or {}
+                if message["emit"] == "metrics":
+                    out("[metrics] " + " ".join(f"{k}={v}" for k, v in data.items()))
+                elif message["emit"] == "checkpoint_saved":
+                    out(f"[checkpoint] step {data.get('step')}: {data.get('path')}")
+            elif "code_error" in message:
+                out(f"[error] {message['code_error']}")
+            else:
+                out("[metrics] " + " ".join(f"{k}={v}" for k, v in message.items()))
+
+
+def loop_plan(spec: Mapping[str, Any], job_dir: Path) -> dict[str, Any]:
+    """What ``elastic.train.loop_child`` is given for a local run of the spec's loop: the
+    config a worker gets on the cluster, its checkpoints in ``job_dir``."""
+    from jobs.spec import JobSpec
+
+    # The package is this directory, not an upload: any id stands for it in the check.
+    job = JobSpec.model_validate({**spec, "code": spec.get("code") or "0" * 64})
+    return {
+        "entrypoint": job.workload,
+        "config": {
+            **job.train_config(),
+            "_elastic": {
+                "checkpoint_dir": str(job_dir / "checkpoints"),
+                "every_steps": job.checkpoint.every_steps,
+                "keep": job.checkpoint.keep,
+                "max_workers": job.scaling.max_workers,
+            },
+        },
+        "timeout_s": LOCAL_GROUP_TIMEOUT_S,
+        "node_address": "127.0.0.1",
+        "resume_latest": True,
+    }
+
+
 def run_local(
     spec: Mapping[str, Any],
     code_dir: str | os.PathLike[str],
     workers: int,
     out: Callable[[str], None] = print,
 ) -> int:
-    """Run the command job ``spec`` from ``code_dir`` with ``workers`` processes; returns
-    the first failed process's status, or 0."""
+    """Run the job ``spec`` (a command, or a loop of the package) from ``code_dir`` with
+    ``workers`` processes; returns the first failed process's status, or 0."""
     command: Sequence[str] | None = spec.get("command")
-    if not command:
+    loop = spec.get("entrypoint") or (spec.get("workload") if not command else None)
+    if not command and not (isinstance(loop, str) and ":" in loop):
         raise RunLocalError(
-            "run-local runs command jobs (command: [...]); a workload runs on the service"
+            "run-local runs your own code: a command (command: [...]) or a loop of the "
+            "package (entrypoint: train.py:train_loop); a built-in workload runs on the service"
         )
     if workers < 1:
         raise RunLocalError(f"--workers must be at least 1, not {workers}")
@@ -89,8 +150,18 @@ def run_local(
     root = Path(code_dir).resolve()
     checkpoint_dir = root / LOCAL_DIR / str(spec.get("name") or "job")
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    argv = command_env.resolve_argv(list(command))
-    out(f"run-local: {workers} worker{'s' if workers > 1 else ''} of {shlex.join(argv)}")
+    if command:
+        argv = command_env.resolve_argv(list(command))
+        what = shlex.join(argv)
+    else:
+        plan = loop_plan(spec, checkpoint_dir)
+        plan_file = checkpoint_dir / "loop-plan.json"
+        plan_file.write_text(json.dumps(plan))
+        argv = [sys.executable, "-m", "elastic.train.loop_child", str(plan_file)]
+        what = f"{loop} (checkpoints in {plan['config']['_elastic']['checkpoint_dir']})"
+    if spec.get("requirements"):
+        out("run-local: the job's requirements are not installed here: this Python has them")
+    out(f"run-local: {workers} worker{'s' if workers > 1 else ''} of {what}")
     out(f"run-local: ETRAIN_CHECKPOINT_DIR={checkpoint_dir}")
     envs = environments(workers, os.environ, str(checkpoint_dir), free_port("127.0.0.1"))
     processes: list[subprocess.Popen[bytes]] = []
@@ -105,6 +176,11 @@ def run_local(
         for rank, env in enumerate(envs):
             read_fd, write_fd = os.pipe()
             env[command_env.REPORT_FD_ENV] = str(write_fd)
+            child_fds = [write_fd]
+            if not command:
+                reply_read, reply_write = os.pipe()
+                env[command_env.REPLY_FD_ENV] = str(reply_read)
+                child_fds.append(reply_read)
             process = subprocess.Popen(
                 argv,
                 cwd=root,
@@ -112,15 +188,22 @@ def run_local(
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=(write_fd,),
+                pass_fds=tuple(child_fds),
                 start_new_session=True,
             )
-            os.close(write_fd)
+            for fd in child_fds:
+                os.close(fd)
             processes.append(process)
             assert process.stdout is not None
+            shown = say if rank == 0 else lambda _: None
+            lines: tuple[Callable[..., None], tuple[Any, ...]] = (
+                (_points, (read_fd, shown))
+                if command
+                else (_loop_lines, (read_fd, os.fdopen(reply_write, "wb"), shown))
+            )
             jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
                 (_pump, (process.stdout, f"[rank {rank}] ", say)),
-                (_points, (read_fd, say if rank == 0 else lambda _: None)),
+                lines,
             ]
             for target, args in jobs:
                 thread = threading.Thread(target=target, args=args, daemon=True)

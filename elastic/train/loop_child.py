@@ -91,10 +91,16 @@ def main(argv: list[str]) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"
     store = bound_store(host, world, timeout_s, port=port) if rank == 0 else None
     join_process_group(backend, rank, world, host, port, timeout_s, master_store=store)
+    meta = dict(config["_elastic"])
+    if plan.get("resume_latest"):  # a local run (etrain run-local): no supervisor chooses
+        from elastic.checkpoint.directory import CheckpointDir
+
+        latest, _ = CheckpointDir(meta["checkpoint_dir"]).latest_valid()
+        meta["resume_path"] = None if latest is None else latest.path
     worker = PipedWorker(
         rank=rank,
         world_size=world,
-        config=WorkerConfig.from_dict(config["_elastic"]),
+        config=WorkerConfig.from_dict(meta),
         supervisor=None,
         device=device,
         link=link,

@@ -113,3 +113,50 @@ def test_a_workload_job_is_for_the_service(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         "error: run-local runs command jobs (command: [...]); a workload runs on the service"
     )
+
+
+LOOP_DIR = ROOT / "tests" / "workloads" / "package_loop"
+
+
+def test_a_package_loop_runs_on_two_local_workers_with_the_clusters_context(
+    tmp_path: Path,
+) -> None:
+    """The same context as on the cluster: its checkpoints, and a second run resuming from
+    the latest, end with the model of one uninterrupted process."""
+    from tests.integration.test_package_loops import reference
+
+    for name in ("train.py", "points.py"):
+        shutil.copy(LOOP_DIR / name, tmp_path / name)
+
+    def run(steps: int) -> list[str]:
+        spec = {
+            "name": "local",
+            "entrypoint": "train.py:train_loop",
+            "hyperparameters": {"steps": steps},
+            "checkpoint": {"every_steps": 4},
+        }
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+        done = subprocess.run(
+            [ETRAIN, "run-local", "job.yaml", "--workers", "2"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout.splitlines()
+
+    lines = run(8)
+    assert "[rank 0] loop: rank 0 of 2, ray loaded: False" in lines
+    steps = [line.split()[1] for line in lines if line.startswith("[metrics] step=")]
+    assert steps == [f"step={s}" for s in range(1, 9)]
+    saved = [line.split()[2] for line in lines if line.startswith("[checkpoint] ")]
+    assert saved == ["4:", "8:"]
+    lines = run(12)  # from the checkpoint of step 8
+    steps = [line.split()[1] for line in lines if line.startswith("[metrics] step=")]
+    assert steps == [f"step={s}" for s in range(9, 13)]
+    state = torch.load(tmp_path / ".etrain-local" / "local" / "final.pt")
+    assert state["step"] == 12
+    for name, value in reference(12, tmp_path / "reference").items():
+        got = state["model"][name.removeprefix("module.")]
+        assert torch.allclose(got, value, rtol=0, atol=1e-12), name
