@@ -288,11 +288,8 @@ class JobSpec(BaseModel):
                 "a command job recovers by restart: its processes start again at the new "
                 "size and resume from their own checkpoint (torchrun's elastic contract)"
             )
-        if self.code is not None:
-            return (
-                "a train_loop from a code package recovers by restart in this release: its "
-                "confined processes start again at the new size from the latest checkpoint"
-            )
+        # A train_loop from a code package recovers in place as a built-in loop does (its
+        # replicas' confined children build the torchft managers): the same options decide.
         d = self.distributed
         return _why_not_in_place(
             d.strategy, d.sync, d.gradient_compression, self.scaling.gpus_per_worker

@@ -71,8 +71,12 @@ class InPlaceContext(TrainContext):
         replica: int,
         must_heal: bool = False,
         start_together: Callable[[], None] | None = None,
+        tell_trained: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config, worker)
+        # How its first committed step reaches the supervisor when the worker holds no link
+        # to it (a package loop's confined child: its actor calls for it).
+        self.tell_trained = tell_trained
         # Called once the manager heartbeats: waits for the attempt's other starting replicas.
         self.start_together = start_together
         # A replacement or a late joiner: it must find a healthy peer to heal from, and never
@@ -254,6 +258,9 @@ class InPlaceContext(TrainContext):
     def _tell_trained(self) -> None:
         """Its first committed step: the supervisor now counts it a survivor whose training
         a fast fence of a silent peer protects (elastic/in_place/watchdog.py)."""
+        if self.tell_trained is not None:
+            self.tell_trained()
+            return
         supervisor = self.worker.supervisor
         if supervisor is not None:
             supervisor.replica_trained.remote(self.worker.config.attempt, self.replica)
@@ -271,8 +278,11 @@ class InPlaceContext(TrainContext):
 
     def _open_logs(self, participants: int) -> None:
         """TensorBoard and MLflow are written by the quorum's rank 0: the first time this
-        replica is it, it opens its own event file and its share of the job's MLflow run."""
-        if self._logs_open or self.worker.supervisor is None:
+        replica is it, it opens its own event file and its share of the job's MLflow run. A
+        package loop's child writes TensorBoard only: it holds no MLflow credentials, and its
+        config no MLflow part."""
+        reports = self.worker.supervisor is not None or self.tell_trained is not None
+        if self._logs_open or not reports:
             return
         self._logs_open = True
         meta = self.worker.config

@@ -46,6 +46,11 @@ RELAYED: dict[str, tuple[str, ...]] = {
     EventKind.CHECKPOINT_REMOVED: ("step",),
     EventKind.CHECKPOINT_CORRUPT: ("step",),
     EventKind.FAILURE_SIGNAL: (),
+    # An in-place replica's quorum changes (elastic/in_place/steps.py ``quorum_events``),
+    # announced by the quorum's rank 0.
+    EventKind.WORKER_LOST: ("from_world", "to_world", "step"),
+    EventKind.JOINED: ("from_world", "to_world", "step"),
+    EventKind.RESIZED: ("from_world", "to_world", "step"),
 }
 NUMBERS = frozenset(
     {
@@ -59,6 +64,12 @@ NUMBERS = frozenset(
         "rank",
         "loss",
         "samples_per_s",
+        "from_world",
+        "to_world",
+        "steps_redone",
+        "pause_seconds",
+        "recovery_seconds",
+        "longest_pause_s",
     }
 )
 
@@ -102,29 +113,43 @@ def encode(message: dict[str, Any]) -> bytes:
 class ParentLink:
     """The child's end: writes go up ``send_fd``; a thread reads the answers."""
 
-    def __init__(self, send_fd: int, reply_fd: int) -> None:
+    def __init__(
+        self,
+        send_fd: int,
+        reply_fd: int,
+        on_message: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self._send_fd = send_fd
         self._lock = threading.Lock()
         self._answers: queue.Queue[bool] = queue.Queue()
         self.drained = threading.Event()
+        # Every other message down the pipe (an in-place replica's child: elastic/in_place/
+        # child_link.py), handled on the reading thread: an abort must not wait on the loop.
+        self.on_message = on_message
         threading.Thread(
             target=self._read, args=(reply_fd,), name="etrain-parent-link", daemon=True
         ).start()
 
     @classmethod
-    def from_environment(cls) -> ParentLink:
+    def from_environment(
+        cls, on_message: Callable[[dict[str, Any]], None] | None = None
+    ) -> ParentLink:
         from elastic.train.command_env import REPLY_FD_ENV, REPORT_FD_ENV
 
-        return cls(int(os.environ[REPORT_FD_ENV]), int(os.environ[REPLY_FD_ENV]))
+        return cls(int(os.environ[REPORT_FD_ENV]), int(os.environ[REPLY_FD_ENV]), on_message)
 
     def _read(self, reply_fd: int) -> None:
         with os.fdopen(reply_fd, "rb") as pipe:
             for raw in pipe:
                 message = json.loads(raw)
+                if not isinstance(message, dict):
+                    continue
                 if message.get("drain"):
                     self.drained.set()
-                if "pause" in message:
+                elif "pause" in message:
                     self._answers.put(bool(message["pause"]))
+                elif self.on_message is not None:
+                    self.on_message(message)
 
     def send(self, message: dict[str, Any]) -> None:
         line = encode(message)

@@ -1,6 +1,7 @@
 """A ``train_loop`` uploaded with its job: run with the ``ctx`` API in a confined child of
 each worker (never in the worker, which holds Ray), elastic by restart from the context's
-checkpoints, on a real Ray cluster through the real service."""
+checkpoints or in place (the child of each replica builds its torchft manager), on a real
+Ray cluster through the real service."""
 
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ from tests.integration.test_command_jobs import ended, log_text
 LOOP_DIR = Path(__file__).parents[1] / "workloads" / "package_loop"
 
 
-def loop_job(steps: int, workers: int = 2, pace_s: float = 0.0) -> dict[str, Any]:
+def loop_job(
+    steps: int, workers: int = 2, pace_s: float = 0.0, fault_tolerance: str | None = "restart"
+) -> dict[str, Any]:
+    """The package loop's job; restart mode unless told (None: the service's default)."""
     return {
         "name": "package-loop",
+        **({} if fault_tolerance is None else {"fault_tolerance": fault_tolerance}),
         "entrypoint": "train.py:train_loop",
         "hyperparameters": {"steps": steps, "pace_s": pace_s},
         "scaling": {"min_workers": 1, "max_workers": workers, "cpus_per_worker": 1},
@@ -154,6 +159,70 @@ def test_a_loop_that_cannot_import_fails_at_once_without_retries(
     api = server.client()
     with Client(server.url, TOKEN) as client:
         job = client.submit({**loop_job(5), "failure": {"max_restarts": 3}}, code=package)
+    final = ended(api, job.id, timeout=120)
+    assert final["state"] == "failed"
+    assert "No module named 'not_a_module_anywhere'" in final["message"], final
+    assert len(all_events(api, job.id, "attempt_started")) == 1
+
+
+# The loop's own sleep after each step: part of every step, so of the pause around a loss too
+# (the step in flight before it and the step redone after it).
+IN_PLACE_PACE_S = 0.05
+
+
+def test_a_package_loop_in_place_survives_a_node_loss_without_a_restart(
+    server: LiveServer, ray_cluster: ClusterPool, tmp_path: Path
+) -> None:
+    """In place by default: a node lost at 3 replicas, the survivors train on in the same
+    attempt, paused no longer than a built-in loop's; the node back, a replica joins healed
+    from a peer. The model at the end is the uninterrupted run's."""
+    from tests.integration.test_in_place import LOSS_PAUSE_BOUND_S
+
+    api = server.client()
+    steps = 200
+    spec = loop_job(steps, workers=3, pace_s=IN_PLACE_PACE_S, fault_tolerance=None)
+    with Client(server.url, TOKEN) as client:
+        job = client.submit(spec, code=LOOP_DIR)
+
+    def view() -> dict[str, Any]:
+        return api.get(f"/v1/jobs/{job.id}").json()  # type: ignore[no-any-return]
+
+    assert view()["spec"]["fault_tolerance"] == "in_place"
+    wait_for(lambda: (j := view())["step"] >= 15 and j["world_size"] == 3, 180, what="step 15 at 3")
+    ray_cluster.kill_node(ray_cluster.pool[1])
+    wait_for(lambda: (j := view())["world_size"] == 2, 60, what="training on at 2")
+    ray_cluster.add_node()
+    wait_for(lambda: (j := view())["world_size"] == 3, 120, what="a replica joined back")
+    final = ended(api, job.id, timeout=240)
+    text = log_text(api, job.id)
+    assert final["state"] == "succeeded", text
+    assert final["step"] == steps
+    # No restart: the survivors never left the attempt.
+    assert len(all_events(api, job.id, "attempt_started")) == 1
+    losses = [e["data"] for e in all_events(api, job.id, "worker_lost")]
+    print("package loop in place, losses:", losses)
+    assert [(x["from_world"], x["to_world"]) for x in losses] == [(3, 2)], losses
+    assert all(x["pause_seconds"] < LOSS_PAUSE_BOUND_S + 2 * IN_PLACE_PACE_S for x in losses)
+    joined = [e["data"] for e in all_events(api, job.id, "joined")]
+    assert (2, 3) in [(j["from_world"], j["to_world"]) for j in joined], joined
+    # Every replica's loop ran in a process of its own, which never loaded Ray.
+    assert "ray loaded: False" in text and "ray loaded: True" not in text
+    assert f"done at step {steps}" in text
+    assert_matches(final_state(server, job.id), steps, tmp_path)
+
+
+def test_a_loop_that_cannot_import_fails_in_place_at_once(
+    server: LiveServer, tmp_path: Path
+) -> None:
+    package = tmp_path / "broken"
+    package.mkdir()
+    (package / "train.py").write_text(
+        "import not_a_module_anywhere\n\ndef train_loop(config, ctx):\n    pass\n"
+    )
+    api = server.client()
+    spec = {**loop_job(5, fault_tolerance="in_place"), "failure": {"max_restarts": 3}}
+    with Client(server.url, TOKEN) as client:
+        job = client.submit(spec, code=package)
     final = ended(api, job.id, timeout=120)
     assert final["state"] == "failed"
     assert "No module named 'not_a_module_anywhere'" in final["message"], final

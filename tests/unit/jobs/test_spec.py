@@ -256,13 +256,18 @@ def test_a_job_names_one_program_and_a_package_runs_a_command_or_its_own_loop() 
         True,
         False,
     )
-    assert loop.recovery_mode == "restart"
-    assert (
-        command_errors({"entrypoint": "t.py:f", "code": PACKAGE, "fault_tolerance": "in_place"})[0][
-            0
-        ]
-        == "fault_tolerance"
-    )
+    # A package loop recovers in place where its options allow it, as a built-in does; its
+    # requirements are installed by each replica on its node.
+    assert loop.recovery_mode == "in_place"
+    for asked in ("in_place", "restart"):
+        chosen = JobSpec.model_validate(
+            {"name": "x", "entrypoint": "t.py:f", "code": PACKAGE, "fault_tolerance": asked}
+        )
+        assert chosen.recovery_mode == asked
+    # ... and by restart where they do not, asked for in place or not.
+    fsdp = {"entrypoint": "t.py:f", "code": PACKAGE, "distributed": {"strategy": "fsdp"}}
+    assert JobSpec.model_validate({"name": "x", **fsdp}).recovery_mode == "restart"
+    assert command_errors({**fsdp, "fault_tolerance": "in_place"})[0][0] == "fault_tolerance"
     assert command_errors({"command": ["python"], "fault_tolerance": "in_place"}) == [
         (
             "fault_tolerance",
