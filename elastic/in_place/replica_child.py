@@ -26,8 +26,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The plan's parts a child reads (written by :func:`run_package_loop`).
 PLAN_FILE = "replica-plan.json"
+# The child's first lines: it runs the very ``elastic`` package its actor runs, found by its
+# directory (readable to the child), not by the import path: an editable install's finder may
+# name another checkout, one the child may not read.
+_BOOT = """import importlib.util, runpy, sys
+package = sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location(
+    "elastic", package + "/__init__.py", submodule_search_locations=[package]
+)
+sys.modules["elastic"] = module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+runpy.run_module("elastic.in_place.replica_child", run_name="__main__", alter_sys=True)
+"""
 
 
 def run_package_loop(
@@ -45,6 +56,7 @@ def run_package_loop(
     ``manager``: what the child builds its Manager from (lighthouse, replica id, timeout,
     host, must_heal, starting); ``on_relay`` is given the relay before the child starts, for
     the actor's ``abort_step``, ``leave`` and ``expect_drain``."""
+    import elastic
     from elastic.checkpoint.storage import is_object_uri
     from elastic.in_place.child_link import ReplicaRelay
     from elastic.train import command_env, command_requirements
@@ -94,7 +106,8 @@ def run_package_loop(
         _give(plan_file, uid)
         relay = ReplicaRelay(worker, supervisor, worker.attempt, replica)
         on_relay(relay)
-        argv = [sys.executable, "-m", "elastic.in_place.replica_child", str(plan_file)]
+        package = str(Path(elastic.__file__).resolve().parent)
+        argv = [sys.executable, "-c", _BOOT, package, str(plan_file)]
         running = start(
             argv, workdir, env, {**rules, "write": write}, None, on_line=relay.line, replies=True
         )

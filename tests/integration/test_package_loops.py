@@ -190,9 +190,9 @@ def test_a_package_loop_in_place_survives_a_node_loss_without_a_restart(
     assert view()["spec"]["fault_tolerance"] == "in_place"
     wait_for(lambda: (j := view())["step"] >= 15 and j["world_size"] == 3, 180, what="step 15 at 3")
     ray_cluster.kill_node(ray_cluster.pool[1])
-    wait_for(lambda: (j := view())["world_size"] == 2, 60, what="training on at 2")
+    wait_for(lambda: view()["world_size"] == 2, 60, what="training on at 2")
     ray_cluster.add_node()
-    wait_for(lambda: (j := view())["world_size"] == 3, 120, what="a replica joined back")
+    wait_for(lambda: view()["world_size"] == 3, 120, what="a replica joined back")
     final = ended(api, job.id, timeout=240)
     text = log_text(api, job.id)
     assert final["state"] == "succeeded", text
