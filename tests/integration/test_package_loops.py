@@ -192,7 +192,17 @@ def test_a_package_loop_in_place_survives_a_node_loss_without_a_restart(
     ray_cluster.kill_node(ray_cluster.pool[1])
     wait_for(lambda: view()["world_size"] == 2, 60, what="training on at 2")
     ray_cluster.add_node()
-    wait_for(lambda: view()["world_size"] == 3, 120, what="a replica joined back")
+    try:
+        wait_for(lambda: view()["world_size"] == 3, 120, what="a replica joined back")
+    except AssertionError as e:
+        kinds = [
+            (ev["kind"], ev["data"])
+            for ev in all_events(api, job.id)
+            if ev["kind"] not in ("log", "metrics")
+        ]
+        raise AssertionError(
+            f"{e}\n{view()}\nevents: {kinds}\nlog:\n{log_text(api, job.id)[-6000:]}"
+        ) from None
     final = ended(api, job.id, timeout=240)
     text = log_text(api, job.id)
     assert final["state"] == "succeeded", text
