@@ -91,7 +91,7 @@ class ReplicaRelay(ChildRelay):
         if not self._attached.is_set():  # no child yet: no step in flight
             return False
         key = next(self._ids)
-        done, answer = threading.Event(), []
+        done, answer = threading.Event(), list[bool]()
         with self._waiting_lock:
             self._waiting[key] = (done, answer)
         try:

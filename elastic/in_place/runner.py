@@ -24,8 +24,9 @@ import ray
 
 from elastic.in_place.fence import fence
 from elastic.in_place.lighthouse import HOST_NAME, lighthouse_host
+from elastic.in_place.manager import HEARTBEAT_TIMEOUT_MS
 from elastic.in_place.members import replica_id
-from elastic.in_place.replica import HEARTBEAT_TIMEOUT_MS, Replica
+from elastic.in_place.replica import Replica
 from elastic.in_place.watchdog import POLL_S, LighthouseStatus, LossDetector
 from elastic.supervisor.attempt import AttemptOutcome
 from elastic.supervisor.runner import AttemptSpec, RunningAttempt, placement

@@ -85,3 +85,96 @@ def test_a_child_s_events_and_questions_go_through_its_worker(tmp_path: Path) ->
     assert asked == [5, 10]
     assert [json.loads(p) for p in points] == [{"step": 4, "accuracy": 0.5}]
     assert relay.code_error == "cannot load train.py:loop"
+
+
+def test_an_in_place_replica_s_quorum_events_pass_with_numbers_where_numbers_belong() -> None:
+    from elastic.in_place.steps import QuorumChange, quorum_events
+
+    change = QuorumChange("worker_lost", 21, 3, 2, 1, 0.4, 0.3, left=[2])
+    for kind, data in quorum_events(change):
+        assert relayable(kind, json.loads(json.dumps(data))) is None, kind
+    lost = dict(quorum_events(change))[EventKind.WORKER_LOST]
+    assert relayable(EventKind.WORKER_LOST, {**lost, "pause_seconds": "0"}) == (
+        "worker_lost: 'pause_seconds' is not a number"
+    )
+
+
+class _Supervisor:
+    """What a replica's actor calls: recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        outer = self
+
+        class _Method:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
+            def remote(self, *args: object) -> None:
+                outer.calls.append((self.name, args))
+
+        self.replica_trained = _Method("replica_trained")
+        self.record = _Method("record")
+
+
+def test_a_replica_s_child_calls_only_allowed_calls_says_how_it_ended_and_answers_aborts(
+    tmp_path: Path,
+) -> None:
+    from elastic.in_place.child_link import ReplicaControl, ReplicaRelay
+
+    supervisor = _Supervisor()
+    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=5, attempt=4)
+    relay = ReplicaRelay(worker, supervisor, attempt=4, replica=2)
+    up_read, up_write = os.pipe()
+    down_read, down_write = os.pipe()
+    relay.attach(os.fdopen(down_write, "wb"))
+
+    def pump() -> None:
+        with os.fdopen(up_read, "rb") as pipe:
+            for raw in pipe:
+                relay.line(raw)
+
+    reader = threading.Thread(target=pump)
+    reader.start()
+    control = ReplicaControl()
+    link = control.link = ParentLink(up_write, down_read, control.handle)
+
+    class _Ctx:
+        def __init__(self) -> None:
+            self.leaving = threading.Event()
+            self.save_on_leave = False
+            self.drains = 0
+            self.abort = self
+            self.timeline = self
+
+        def request(self, dropped_for_s: float) -> bool:
+            return dropped_for_s < 1.0
+
+        def expect_drain(self) -> None:
+            self.drains += 1
+
+    # Before the context exists, an abort finds no step; a leave is kept for it.
+    assert relay.abort_step(0.2) is False
+    relay.leave(True)
+    ctx = _Ctx()
+    deadline = threading.Event()
+    deadline.wait(0.2)
+    control.attach(ctx)
+    assert ctx.leaving.is_set() and ctx.save_on_leave
+    assert relay.abort_step(0.2) is True
+    assert relay.abort_step(5.0) is False
+    relay.expect_drain()
+    link.send({"call": "replica_trained"})
+    link.send({"call": "kill", "args": [1]})  # not a call a child may make
+    link.send({"outcome": "anything"})
+    link.send({"outcome": "finished as a replica"})
+    os.close(up_write)
+    reader.join(timeout=5)
+    # The actor names its own attempt and replica: the child names only the call.
+    assert supervisor.calls == [("replica_trained", (4, 2))]
+    assert relay.outcome == "finished as a replica"
+    for _ in range(100):  # read by the child's own thread
+        if ctx.drains:
+            break
+        deadline.wait(0.05)
+    assert ctx.drains == 1
