@@ -27,18 +27,26 @@ from pathlib import Path
 from typing import Any
 
 PLAN_FILE = "replica-plan.json"
-# The child's first lines: it runs the very ``elastic`` package its actor runs, found by its
+# A child's first lines: it runs the very ``elastic`` package its actor runs, found by its
 # directory (readable to the child), not by the import path: an editable install's finder may
 # name another checkout, one the child may not read.
 _BOOT = """import importlib.util, runpy, sys
-package = sys.argv.pop(1)
+package, module = sys.argv.pop(1), sys.argv.pop(1)
 spec = importlib.util.spec_from_file_location(
     "elastic", package + "/__init__.py", submodule_search_locations=[package]
 )
-sys.modules["elastic"] = module = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(module)
-runpy.run_module("elastic.in_place.replica_child", run_name="__main__", alter_sys=True)
+sys.modules["elastic"] = loaded = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loaded)
+runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
+
+
+def child_argv(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with this process's ``elastic`` package (see _BOOT)."""
+    import elastic
+
+    package = str(Path(elastic.__file__).resolve().parent)
+    return [sys.executable, "-c", _BOOT, package, module, *args]
 
 
 def run_package_loop(
@@ -56,7 +64,6 @@ def run_package_loop(
     ``manager``: what the child builds its Manager from (lighthouse, replica id, timeout,
     host, must_heal, starting); ``on_relay`` is given the relay before the child starts, for
     the actor's ``abort_step``, ``leave`` and ``expect_drain``."""
-    import elastic
     from elastic.checkpoint.storage import is_object_uri
     from elastic.in_place.child_link import ReplicaRelay
     from elastic.train import command_env, command_requirements
@@ -106,8 +113,7 @@ def run_package_loop(
         _give(plan_file, uid)
         relay = ReplicaRelay(worker, supervisor, worker.attempt, replica)
         on_relay(relay)
-        package = str(Path(elastic.__file__).resolve().parent)
-        argv = [sys.executable, "-c", _BOOT, package, str(plan_file)]
+        argv = child_argv("elastic.in_place.replica_child", str(plan_file))
         running = start(
             argv, workdir, env, {**rules, "write": write}, None, on_line=relay.line, replies=True
         )
