@@ -21,6 +21,7 @@ Uncompressed: the client unpacks it with ``tarfile``, and a model's files do not
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import stat
@@ -84,6 +85,10 @@ def _file(
     yield bytes(-size % BLOCK)
 
 
+def _size_of(fd: int) -> int:
+    return os.fstat(fd).st_size
+
+
 def _file_mode(mode: int) -> int:
     # The owner's and everyone's read and execute bits; never set-id or others' write.
     return 0o644 | (mode & 0o111)
@@ -132,7 +137,7 @@ def _local_members(dir_fd: int, prefix: str, depth: int) -> Iterator[bytes]:
                 yield from _file(
                     name,
                     fh,
-                    lambda f=fd: os.fstat(f).st_size,
+                    functools.partial(_size_of, fd),
                     _file_mode(opened.st_mode),
                     opened.st_mtime,
                 )
@@ -169,7 +174,7 @@ def _object_members(fs: Any, path: str, prefix: str, depth: int) -> Iterator[byt
                 continue  # removed since the listing
             size = int(info.size or 0)
             with stream:
-                yield from _file(name, stream, lambda s=size: s, 0o644, mtime)
+                yield from _file(name, stream, functools.partial(int, size), 0o644, mtime)
 
 
 @dataclass(frozen=True)
