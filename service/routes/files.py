@@ -4,6 +4,7 @@ code wrote in ``ETRAIN_CHECKPOINT_DIR`` as an uncompressed tar (``service.job_fi
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
@@ -21,6 +22,8 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], response
 
 MEDIA_TYPE = "application/x-tar"
 
+log = logging.getLogger(__name__)
+
 
 def _files(settings: Settings, job: JobRow) -> JobFiles:
     if not JobSpec.model_validate(job.spec).runs_user_code:
@@ -31,7 +34,15 @@ def _files(settings: Settings, job: JobRow) -> JobFiles:
             "directory of its own",
         )
     location = files_dir(settings.resolved_checkpoint_dir, job.owner, job.id)
-    found = find(location, job.id)
+    try:
+        found = find(location, job.id)
+    except OSError as e:
+        # The directory is there but the service may not open it (workers that write as the
+        # owner's uid, a service that is not root): a deployment's fault, said as such.
+        log.error("job %s: its directory %s is unreadable: %s", job.id, location, e)
+        raise Problem(
+            500, "Files unreadable", f"the service cannot read job {job.id!r}'s directory"
+        ) from None
     if found is None:
         raise Problem(
             404,

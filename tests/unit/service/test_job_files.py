@@ -136,12 +136,22 @@ def test_a_directory_in_a_bucket_streams_the_same_way(s3: S3Server) -> None:
     bucket = s3.new_bucket()
     prefix = "etrain/_files/owner/job"
     client = s3.client()
-    for key, body in (("a/b/deep.txt", b"deep"), ("weights.bin", BIG), ("top.txt", b"top")):
+    for key, body in (
+        ("a/b/deep.txt", b"deep"),
+        ("weights.bin", BIG),
+        ("top.txt", b"top"),
+        ("x.gz", b"not gzip"),
+    ):
         client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=body)
     client.put_object(Bucket=bucket, Key="etrain/_files/owner/jobber/other.txt", Body=SECRET)
     found = find(f"s3://{bucket}/{prefix}", "j")
     assert found is not None
     data = b"".join(found.chunks())
     assert SECRET not in data
-    assert contents(data) == {"j/a/b/deep.txt": b"deep", "j/weights.bin": BIG, "j/top.txt": b"top"}
+    assert contents(data) == {
+        "j/a/b/deep.txt": b"deep",
+        "j/weights.bin": BIG,
+        "j/top.txt": b"top",
+        "j/x.gz": b"not gzip",
+    }
     assert find(f"s3://{bucket}/etrain/_files/owner/nothing", "j") is None
