@@ -398,6 +398,30 @@ def download(job_id: str, step: int | None, into: str) -> None:
     click.echo(str(where))
 
 
+@cli.group()
+def files() -> None:
+    """What a job's code wrote in its own directory (ETRAIN_CHECKPOINT_DIR)."""
+
+
+@files.command("download")
+@click.argument("job_id")
+@click.option(
+    "-o",
+    "--output",
+    "into",
+    type=click.Path(file_okay=False),
+    default=".",
+    show_default=True,
+    help="Where to put the <job id> directory.",
+)
+def download_files(job_id: str, into: str) -> None:
+    """Download the files a job wrote in its own directory and print the directory they
+    are in. Links that leave it are left out."""
+    with _client() as client:
+        where = client.job(job_id).download_files(into)
+    click.echo(str(where))
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console script. ``serve`` goes to the service's own CLI untouched."""
     args = sys.argv[1:] if argv is None else list(argv)
