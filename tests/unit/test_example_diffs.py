@@ -24,5 +24,5 @@ def test_the_ctx_port_stays_within_its_diff_budget(name: str) -> None:
     added, removed = counts(EXAMPLES / name / "main.py", EXAMPLES / name / "loop.py")
     most_added, most_removed = BUDGETS[name]
     assert added <= most_added and removed <= most_removed, (
-        f"{name}: loop.py is +{added}/-{removed} against main.py, over +{most_added}/-{most_removed}"
+        f"{name}: loop.py is +{added}/-{removed} from main.py, over +{most_added}/-{most_removed}"
     )
