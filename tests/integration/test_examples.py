@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_train import Client
-from tests.conftest import TOKEN, LiveServer
+from tests.conftest import TOKEN, ClusterPool, LiveServer, make_settings
 from tests.integration.test_command_jobs import ended, log_text
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -57,9 +57,15 @@ def lrs(text: str) -> list[str]:
     return re.findall(r"Train Epoch: \d+ \[0/256\]\tlr: ([0-9.]+)", text)
 
 
-def test_mnist_as_a_command_and_as_a_loop(server: LiveServer, tmp_path: Path) -> None:
-    data = tmp_path / "mnist"  # under the service's data root (make_settings)
+def test_mnist_as_a_command_and_as_a_loop(ray_cluster: ClusterPool, tmp_path: Path) -> None:
+    # A data root apart from the service's files (a root holding them is not readable).
+    data = tmp_path / "data"
     write_fake_mnist(data)
+    with LiveServer(make_settings(tmp_path / "svc", data_roots=[str(data)])) as server:
+        mnist_both_ways(server, data)
+
+
+def mnist_both_ways(server: LiveServer, data: Path) -> None:
     _, text = run(
         server,
         "mnist",
