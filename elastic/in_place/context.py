@@ -41,6 +41,7 @@ from elastic.train.context import (
     StepBatch,
     TrainContext,
     micro_batches,
+    tracked_steps,
 )
 from elastic.train.micro_batch import Forward, map_tensors, micro_batch, split_batch
 from elastic.train.sampling import SamplerPosition, advance, epoch_permutation
@@ -114,6 +115,7 @@ class InPlaceContext(TrainContext):
 
     # -- the steps ---------------------------------------------------------------------------
 
+    @tracked_steps
     def batches(
         self,
         dataset: Dataset[Any],

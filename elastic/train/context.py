@@ -25,13 +25,14 @@ or, with the loop's own forward pass and a hook before the optimizer step:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -239,6 +240,25 @@ class _SampleLog:
             self.file.flush()
 
 
+_Context = TypeVar("_Context", bound="TrainContext")
+_Args = ParamSpec("_Args")
+
+
+def tracked_steps(
+    batches: Callable[Concatenate[_Context, _Args], Iterator[StepBatch]],
+) -> Callable[Concatenate[_Context, _Args], Iterator[StepBatch]]:
+    """A context's ``batches``, its generator kept, so that :meth:`TrainContext.finish_steps`
+    can complete the bookkeeping of a step the loop trained and then left."""
+
+    def kept(ctx: _Context, /, *args: _Args.args, **kwargs: _Args.kwargs) -> Iterator[StepBatch]:
+        steps = batches(ctx, *args, **kwargs)
+        ctx._open_steps = steps
+        return steps
+
+    functools.update_wrapper(kept, batches)
+    return kept
+
+
 class TrainContext:
     """What ``train_loop(config, ctx)`` receives. See the module docstring and
     ``examples/custom_train_loop.py``."""
@@ -288,6 +308,7 @@ class TrainContext:
         # Set on every rank alike (by ``evaluate``, a collective): report at this step.
         self._report_now = False
         self._trained: int | None = None
+        self._open_steps: Iterator[StepBatch] | None = None  # the latest ``batches``
         # The last step's loss sum and right answers over its global batch (all workers).
         self._totals = torch.zeros(2, dtype=torch.float64)
         self._counts_accuracy = True  # false after a step of the loop's own forward pass
@@ -370,6 +391,7 @@ class TrainContext:
 
     # -- the steps -----------------------------------------------------------------------
 
+    @tracked_steps
     def batches(
         self,
         dataset: Dataset[Any],
@@ -479,6 +501,21 @@ class TrainContext:
                 draining = False
             if draining or self.step % self.worker.every_steps == 0 or self.step == last_step:
                 self._checkpoint(last_step)
+
+    def finish_steps(self) -> None:
+        """After the loop returned: a step it trained and then left ``ctx.batches`` on (a
+        loop whose epoch function returns at ``batch.ends_epoch``) still gets what follows
+        a step there: its count, its report, and the run's final checkpoint. The generator
+        is then closed: a step not yet trained is not taken."""
+        steps, self._open_steps = self._open_steps, None
+        if steps is None:
+            return
+        try:
+            if self._trained is not None and self._trained > self.step:
+                next(steps, None)
+        finally:
+            if isinstance(steps, Generator):
+                steps.close()
 
     def _begin_steps(self, settings: LoopSettings, dataset_size: int) -> int:
         """The learning-rate schedule (restored with the checkpoint) and the micro-batch
@@ -772,6 +809,7 @@ def run_with_context(
     ctx = TrainContext(config, worker or WorkerContext.from_config(config))
     try:
         train_loop(config, ctx)
+        ctx.finish_steps()
         # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
         ctx.checkpoints.wait()
     except PausedForResize:
