@@ -84,6 +84,14 @@ class ScalingSpec(BaseModel):
     min_workers: int = Field(1, ge=1, le=1024, description="Fewest workers the job runs with.")
     max_workers: int = Field(1, ge=1, le=1024, description="Most workers the job runs with.")
     cpus_per_worker: float = Field(1.0, gt=0, le=512)
+    memory_per_worker_gb: float | None = Field(
+        None,
+        gt=0,
+        le=16_384,
+        description="GiB of memory each worker's command may use (a command or a package's "
+        "train_loop); above it the kernel kills the command, not the node's other "
+        "processes. None: no limit.",
+    )
     gpus_per_worker: int = Field(
         0, ge=0, le=16, description="GPUs per worker; above 0 the job uses NCCL, else Gloo."
     )

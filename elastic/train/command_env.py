@@ -9,6 +9,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from elastic.train import command_limits
+
 # The worker's variables a user's process keeps: what a process, Python, torch and the
 # accelerators need. Nothing of Ray's (its address, its token), nothing of the service's.
 KEPT_NAMES = frozenset(
@@ -103,12 +105,17 @@ def torchrun_variables(
 
 
 def child_environment(
-    worker_env: Mapping[str, str], home: str, added: Mapping[str, str]
+    worker_env: Mapping[str, str],
+    home: str,
+    added: Mapping[str, str],
+    cpus: float | None = None,
 ) -> dict[str, str]:
-    """The worker's environment cut to what a user's process may see, plus ``added``."""
+    """The worker's environment cut to what a user's process may see, plus ``added``; with
+    ``cpus``, thread pools sized to them where the worker's environment does not say."""
     kept = {k: v for k, v in worker_env.items() if k in KEPT_NAMES or k.startswith(KEPT_PREFIXES)}
     tmp = os.path.join(home, ".tmp")
     return {
+        **command_limits.thread_variables(cpus, kept),
         **kept,
         "HOME": home,
         "TMPDIR": tmp,
