@@ -221,6 +221,7 @@ def command_plan(
         "max_restarts": spec.failure.max_restarts,
         "data_roots": list(data_roots),
         "requirements": list(spec.requirements),
+        "framework": spec.framework,
     }
 
 

@@ -69,6 +69,7 @@ class CommandPlan:
     max_restarts: int = 0
     data_roots: tuple[str, ...] = ()  # what the owner's code may read besides its own
     requirements: tuple[str, ...] = ()  # pip's, besides the package's requirements.txt
+    framework: str = command_env.PYTORCH  # whose variables it gets besides torchrun's
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandPlan:
@@ -82,6 +83,7 @@ class CommandPlan:
             max_restarts=int(d.get("max_restarts", 0)),
             data_roots=tuple(str(r) for r in d.get("data_roots") or ()),
             requirements=tuple(str(r) for r in d.get("requirements") or ()),
+            framework=str(d.get("framework") or command_env.PYTORCH),
         )
 
 
@@ -179,6 +181,15 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         max_restarts=plan.max_restarts,
         run_id=plan.job_id,
     )
+    endpoints: list[Any] = []
+    if plan.framework in command_env.NEEDS_ENDPOINTS:
+        # Each worker listens on a port of its own host (TensorFlow's gRPC server): it picks
+        # one free there, and every worker is told every worker's, in rank order.
+        own = (host, free_port(host))
+        endpoints = [own] * world
+        if world > 1:
+            dist.all_gather_object(endpoints, own)
+    added.update(command_env.framework_variables(plan.framework, rank, endpoints))
     if files is not None:
         added[command_env.CHECKPOINT_DIR_ENV] = files
     gpus = [g for n, _, ids in everyone if n == mine[0] for g in ids]
