@@ -226,6 +226,7 @@ def command_plan(
         "requirements": list(spec.requirements),
         "cpus": spec.scaling.cpus_per_worker,
         "memory_gb": spec.scaling.memory_per_worker_gb,
+        "framework": spec.framework,
     }
 
 

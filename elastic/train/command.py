@@ -85,6 +85,7 @@ class CommandPlan:
     entrypoint: str | None = None
     cpus: float | None = None  # the CPU quota of each worker's command
     memory_gb: float | None = None  # its memory limit, GiB (None: none)
+    framework: str = command_env.PYTORCH  # whose variables it gets besides torchrun's
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandPlan:
@@ -101,6 +102,7 @@ class CommandPlan:
             entrypoint=d.get("entrypoint"),
             cpus=d.get("cpus"),
             memory_gb=d.get("memory_gb"),
+            framework=str(d.get("framework") or command_env.PYTORCH),
         )
 
 
@@ -198,6 +200,15 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         max_restarts=plan.max_restarts,
         run_id=plan.job_id,
     )
+    endpoints: list[Any] = []
+    if plan.framework in command_env.NEEDS_ENDPOINTS:
+        # Each worker listens on a port of its own host (TensorFlow's gRPC server): it picks
+        # one free there, and every worker is told every worker's, in rank order.
+        own = (host, free_port(host))
+        endpoints = [own] * world
+        if world > 1:
+            dist.all_gather_object(endpoints, own)
+    added.update(command_env.framework_variables(plan.framework, rank, endpoints))
     if files is not None:
         added[command_env.CHECKPOINT_DIR_ENV] = files
     gpus = [g for n, _, ids in everyone if n == mine[0] for g in ids]
