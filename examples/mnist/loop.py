@@ -32,12 +32,10 @@ class Net(nn.Module):
 
 def train(args, model, ctx, train_loader, optimizer, epoch):
     model.train()
-    lr = args.lr * args.gamma ** (epoch - 1)  # StepLR's, set by before_step at every step
+    lr = optimizer.param_groups[0]["lr"]
     for batch_idx, batch in enumerate(train_loader):  # this epoch's steps
         loss = ctx.train_step(
-            batch,
-            forward=lambda m: F.nll_loss(model(m.inputs), m.targets, reduction="none"),
-            before_step=lambda: optimizer.param_groups[0].update(lr=lr),
+            batch, forward=lambda m: F.nll_loss(model(m.inputs), m.targets, reduction="none")
         )
         if batch_idx % args.log_interval == 0:
             print(
@@ -97,9 +95,11 @@ def train_loop(config, ctx):
 
     model = ctx.prepare_model(Net())
     optimizer = ctx.prepare_optimizer(optim.Adadelta(model.parameters(), lr=args.lr))
+    scheduler = ctx.prepare_scheduler(optim.lr_scheduler.StepLR(optimizer, 1, gamma=args.gamma))
     for epoch in range(ctx.position.epoch + 1, args.epochs + 1):  # resumes mid-way
         train(args, model, ctx, train_loader, optimizer, epoch)
         test(model, device, test_loader)
+        scheduler.step()
 
     if args.save_model:
         torch.save(model.state_dict(), "mnist_cnn.pt")
