@@ -301,7 +301,7 @@ class AsyncJob:
     async def download_files(self, into: str | os.PathLike[str] = ".") -> Path:
         """As :meth:`Job.download_files`; the unpacking runs in a thread."""
         dest = files_download.destination(into, self.id)
-        with files_download.staging(dest) as stage:
+        with checkpoint_download.staging(dest) as stage:
             archive = stage / files_download.ARCHIVE
             await self.client._download(files_download.files_path(self.id), archive)
             return await asyncio.to_thread(files_download.unpack, archive, stage, dest, self.id)

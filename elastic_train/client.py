@@ -331,7 +331,7 @@ class Job:
         :class:`NotFound` when the job wrote nothing there or runs a built-in workload; an
         existing directory of that name is never overwritten."""
         dest = files_download.destination(into, self.id)
-        with files_download.staging(dest) as stage:
+        with checkpoint_download.staging(dest) as stage:
             archive = stage / files_download.ARCHIVE
             self.client._download(files_download.files_path(self.id), archive)
             return files_download.unpack(archive, stage, dest, self.id)

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tarfile
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from elastic_train import protocol
@@ -37,20 +34,6 @@ def destination(into: str | os.PathLike[str], job_id: str) -> Path:
     if dest.exists() or dest.is_symlink():
         raise ElasticTrainError(f"{dest} already exists; remove it or download into another -o")
     return dest
-
-
-@contextmanager
-def staging(dest: Path) -> Iterator[Path]:
-    """A hidden directory beside ``dest``, removed on the way out (what succeeded was
-    renamed out of it first)."""
-    if not hasattr(tarfile, "data_filter"):
-        raise ElasticTrainError("unpacking a job's files safely needs Python 3.11.4 or newer")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
-        yield stage
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 class _Filter:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from elastic_train.errors import ElasticTrainError
-from elastic_train.files_download import destination, staging, unpack
+from elastic_train.checkpoint_download import staging
+from elastic_train.files_download import destination, unpack
 
 
 def archive(path: Path, members: list[tuple[str, bytes | str | None]]) -> Path:
