@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_train.errors import ElasticTrainError
 from elastic_train.checkpoint_download import staging
+from elastic_train.errors import ElasticTrainError
 from elastic_train.files_download import destination, unpack
 
 
