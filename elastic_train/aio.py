@@ -22,7 +22,7 @@ from httpx_sse import EventSource
 
 from elastic.events import EventKind
 from elastic.job_state import JobState
-from elastic_train import checkpoint_download, code_upload, config, protocol
+from elastic_train import checkpoint_download, code_upload, config, files_download, protocol
 from elastic_train.client import USER_AGENT
 from elastic_train.code_upload import CodeSource
 from elastic_train.errors import ConnectionFailed, PayloadTooLarge, from_problem
@@ -297,6 +297,14 @@ class AsyncJob:
             archive = stage / checkpoint_download.ARCHIVE
             await self.client._download(protocol.download_path(self.id, step), archive)
             return await asyncio.to_thread(checkpoint_download.unpack, archive, stage, dest)
+
+    async def download_files(self, into: str | os.PathLike[str] = ".") -> Path:
+        """As :meth:`Job.download_files`; the unpacking runs in a thread."""
+        dest = files_download.destination(into, self.id)
+        with checkpoint_download.staging(dest) as stage:
+            archive = stage / files_download.ARCHIVE
+            await self.client._download(files_download.files_path(self.id), archive)
+            return await asyncio.to_thread(files_download.unpack, archive, stage, dest, self.id)
 
     async def cancel(self) -> AsyncJob:
         answer = await self.client.request("POST", protocol.job_path(self.id, "cancel"))

@@ -47,7 +47,7 @@ def staging(dest: Path) -> Iterator[Path]:
     """A hidden directory beside ``dest`` for the archive and its unpacking, removed on
     the way out (what succeeded was renamed out of it first)."""
     if not hasattr(tarfile, "data_filter"):
-        raise ElasticTrainError("unpacking a checkpoint safely needs Python 3.11.4 or newer")
+        raise ElasticTrainError("unpacking an archive safely needs Python 3.11.4 or newer")
     dest.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:

@@ -215,14 +215,15 @@ def run_local(job_file: str, code_dir: str, workers: int, overrides: tuple[str, 
     service and no Ray: WORKERS processes with torchrun's environment, as the cluster's
     workers run it. Exit status: the first failed process's, or 0."""
     from elastic_train import jobfile, protocol
-    from elastic_train.run_local import RunLocalError
+    from elastic_train.run_local import RunLocalError, own_program
     from elastic_train.run_local import run_local as run
 
     spec = jobfile.apply_overrides(jobfile.load(job_file), list(overrides))
-    # The service would refuse an invalid spec: so does this. The code is this directory,
-    # not an upload yet: any id stands for it.
-    protocol.spec_body({**spec, "code": spec.get("code") or "0" * 64})
     try:
+        own_program(spec)
+        # The service would refuse an invalid spec: so does this. The code is this
+        # directory, not an upload yet: any id stands for it.
+        protocol.spec_body({**spec, "code": spec.get("code") or "0" * 64})
         sys.exit(run(spec, code_dir, workers, out=click.echo))
     except RunLocalError as e:
         fail(str(e), 2)
@@ -395,6 +396,30 @@ def download(job_id: str, step: int | None, into: str) -> None:
     manifest's SHA-256) and print the directory it is in."""
     with _client() as client:
         where = client.job(job_id).download_checkpoint(step, into)
+    click.echo(str(where))
+
+
+@cli.group()
+def files() -> None:
+    """What a job's code wrote in its own directory (ETRAIN_CHECKPOINT_DIR)."""
+
+
+@files.command("download")
+@click.argument("job_id")
+@click.option(
+    "-o",
+    "--output",
+    "into",
+    type=click.Path(file_okay=False),
+    default=".",
+    show_default=True,
+    help="Where to put the <job id> directory.",
+)
+def download_files(job_id: str, into: str) -> None:
+    """Download the files a job wrote in its own directory and print the directory they
+    are in. Links that leave it are left out."""
+    with _client() as client:
+        where = client.job(job_id).download_files(into)
     click.echo(str(where))
 
 

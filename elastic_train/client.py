@@ -22,7 +22,7 @@ from httpx_sse import EventSource
 
 from elastic.events import EventKind
 from elastic.job_state import JobState
-from elastic_train import checkpoint_download, code_upload, config, protocol
+from elastic_train import checkpoint_download, code_upload, config, files_download, protocol
 from elastic_train.code_upload import CodeSource
 from elastic_train.errors import ConnectionFailed, PayloadTooLarge, from_problem
 from elastic_train.models import (
@@ -323,6 +323,18 @@ class Job:
             archive = stage / checkpoint_download.ARCHIVE
             self.client._download(protocol.download_path(self.id, step), archive)
             return checkpoint_download.unpack(archive, stage, dest)
+
+    def download_files(self, into: str | os.PathLike[str] = ".") -> Path:
+        """Download what the job's code wrote in its own directory (``ETRAIN_CHECKPOINT_DIR``)
+        into ``into/<job id>/`` and return that directory. Unpacked safely: nothing lands
+        outside it, and a link the job made that leaves it is left out (with a warning).
+        :class:`NotFound` when the job wrote nothing there or runs a built-in workload; an
+        existing directory of that name is never overwritten."""
+        dest = files_download.destination(into, self.id)
+        with checkpoint_download.staging(dest) as stage:
+            archive = stage / files_download.ARCHIVE
+            self.client._download(files_download.files_path(self.id), archive)
+            return files_download.unpack(archive, stage, dest, self.id)
 
     def cancel(self) -> Job:
         """Ask the service to cancel the job (Conflict if it has already ended)."""

@@ -105,6 +105,19 @@ def _loop_lines(read_fd: int, replies: IO[bytes], out: Callable[[str], None]) ->
                 out("[metrics] " + " ".join(f"{k}={v}" for k, v in message.items()))
 
 
+def own_program(spec: Mapping[str, Any]) -> tuple[Sequence[str] | None, str | None]:
+    """The spec's command, or its package's loop (``module:function``); a built-in
+    workload is refused (:class:`RunLocalError`)."""
+    command: Sequence[str] | None = spec.get("command")
+    loop = spec.get("entrypoint") or (spec.get("workload") if not command else None)
+    if not command and not (isinstance(loop, str) and ":" in loop):
+        raise RunLocalError(
+            "run-local runs your own code: a command (command: [...]) or a loop of the "
+            "package (entrypoint: train.py:train_loop); a built-in workload runs on the service"
+        )
+    return command, loop if not command else None
+
+
 def loop_plan(spec: Mapping[str, Any], job_dir: Path) -> dict[str, Any]:
     """What ``elastic.train.loop_child`` is given for a local run of the spec's loop: the
     config a worker gets on the cluster, its checkpoints in ``job_dir``."""
@@ -137,13 +150,7 @@ def run_local(
 ) -> int:
     """Run the job ``spec`` (a command, or a loop of the package) from ``code_dir`` with
     ``workers`` processes; returns the first failed process's status, or 0."""
-    command: Sequence[str] | None = spec.get("command")
-    loop = spec.get("entrypoint") or (spec.get("workload") if not command else None)
-    if not command and not (isinstance(loop, str) and ":" in loop):
-        raise RunLocalError(
-            "run-local runs your own code: a command (command: [...]) or a loop of the "
-            "package (entrypoint: train.py:train_loop); a built-in workload runs on the service"
-        )
+    command, loop = own_program(spec)
     if workers < 1:
         raise RunLocalError(f"--workers must be at least 1, not {workers}")
     grace = float(spec.get("stop_grace_s", 30.0))

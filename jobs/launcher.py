@@ -224,6 +224,9 @@ def command_plan(
         "max_restarts": spec.failure.max_restarts,
         "data_roots": list(data_roots),
         "requirements": list(spec.requirements),
+        "cpus": spec.scaling.cpus_per_worker,
+        "memory_gb": spec.scaling.memory_per_worker_gb,
+        "framework": spec.framework,
     }
 
 

@@ -17,6 +17,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from elastic.cluster.scheduling import DEFAULT_PRIORITY, PRIORITY_CLASSES
+from elastic.train.command_env import FRAMEWORKS, PYTORCH
 from jobs.validation import field_error, prefixed
 from jobs.workloads import WORKLOADS
 
@@ -84,6 +85,14 @@ class ScalingSpec(BaseModel):
     min_workers: int = Field(1, ge=1, le=1024, description="Fewest workers the job runs with.")
     max_workers: int = Field(1, ge=1, le=1024, description="Most workers the job runs with.")
     cpus_per_worker: float = Field(1.0, gt=0, le=512)
+    memory_per_worker_gb: float | None = Field(
+        None,
+        gt=0,
+        le=16_384,
+        description="GiB of memory each worker's command may use (a command or a package's "
+        "train_loop); above it the kernel kills the command, not the node's other "
+        "processes. None: no limit.",
+    )
     gpus_per_worker: int = Field(
         0, ge=0, le=16, description="GPUs per worker; above 0 the job uses NCCL, else Gloo."
     )
@@ -248,6 +257,12 @@ class JobSpec(BaseModel):
         description="A command job's processes stopped for a grow get this long between "
         "SIGTERM and SIGKILL to save a checkpoint.",
     )
+    framework: str = Field(
+        PYTORCH,
+        description="What a command job's processes are set up for, besides torchrun's "
+        "environment: " + ", ".join(FRAMEWORKS) + ". tensorflow also gives each process "
+        "the TF_CONFIG that tf.distribute.MultiWorkerMirroredStrategy reads.",
+    )
     hyperparameters: dict[str, Any] = Field(default_factory=dict)
     scaling: ScalingSpec = Field(default_factory=ScalingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -354,6 +369,17 @@ class JobSpec(BaseModel):
                 "priority",
                 f"must be one of {', '.join(PRIORITY_CLASSES)} or an integer from "
                 f"{MIN_PRIORITY} to {MAX_PRIORITY}",
+            )
+        return value
+
+    @field_validator("framework")
+    @classmethod
+    def _known_framework(cls, value: str) -> str:
+        if value not in FRAMEWORKS:
+            raise PydanticCustomError(
+                "framework",
+                f"unknown framework {value!r}: use one of {', '.join(FRAMEWORKS)} (for a "
+                "Horovod script, see docs/horovod.md)",
             )
         return value
 
@@ -473,6 +499,15 @@ class JobSpec(BaseModel):
                     'a train_loop of the package (workload: "train.py:train_loop"), not the '
                     f"built-in workload {workload!r}",
                     data.get("code"),
+                )
+            # Only a value that asks for something: a stored spec of any job says pytorch.
+            if data.get("framework") not in (None, PYTORCH):
+                raise field_error(
+                    "JobSpec",
+                    "framework",
+                    "framework sets up a command job's processes: give command, e.g. "
+                    '["python", "train.py"]',
+                    data.get("framework"),
                 )
             return data
         if workload not in (None, COMMAND_WORKLOAD):

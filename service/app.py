@@ -19,7 +19,7 @@ from service import dashboard, deps, metrics, problems
 from service.auth import BOOTSTRAP_ADMIN, RateLimiter, resolve_admin_token
 from service.control import JobControl
 from service.limits import BodySizeLimit, NulInPath, PathLimit
-from service.routes import checkpoints, cluster, code, health, jobs, users
+from service.routes import checkpoints, cluster, code, files, health, jobs, users
 from service.settings import Settings
 from service.store import Store
 from service.streams import Hub
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for router in (
         jobs.router,
         checkpoints.router,
+        files.router,
         code.router,
         users.router,
         cluster.router,

@@ -41,6 +41,7 @@ from elastic.train.context import (
     StepBatch,
     TrainContext,
     micro_batches,
+    tracked_steps,
 )
 from elastic.train.micro_batch import Forward, map_tensors, micro_batch, split_batch
 from elastic.train.sampling import SamplerPosition, advance, epoch_permutation
@@ -118,6 +119,7 @@ class InPlaceContext(TrainContext):
 
     # -- the steps ---------------------------------------------------------------------------
 
+    @tracked_steps
     def batches(
         self,
         dataset: Dataset[Any],
@@ -335,7 +337,7 @@ class InPlaceContext(TrainContext):
         on the quorum's summed gradients. Returns None for a step discarded (a peer of it
         lost): the next quorum redoes it whole."""
         model, optimizer = self.model, self.optimizer
-        assert model is not None and optimizer is not None and self.scheduler is not None
+        assert model is not None and optimizer is not None
         assert self.manager is not None
         run = self._forward_pass(loss_per_sample, forward)
         inputs = self._cast(batch.inputs)
@@ -371,7 +373,8 @@ class InPlaceContext(TrainContext):
         self.checkpoints.before_update()  # the hook may write what the snapshot copies
         self._before_step(before_step)
         self.precision.step(optimizer)
-        self.scheduler.step()
+        if self.scheduler is not None:  # the loop's own, if any, it steps itself
+            self.scheduler.step()
         self._totals = totals
         self._counts_accuracy = forward is None
         self._step_global_batch = batch.global_batch

@@ -189,6 +189,7 @@ class Replica:
         try:
             with forward_output(send):
                 resolve(train_loop)(config, ctx)
+                ctx.finish_steps()
             ctx.checkpoints.wait()
         except LeftTheQuorum:
             return "left"

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.storage import is_object_uri
 from elastic.events import COMMANDS_STARTED, EventKind
-from elastic.train import command_env, command_requirements
+from elastic.train import command_env, command_limits, command_requirements
 from elastic.train.command_confinement import confinement, unprivileged_uid
 from elastic.train.command_process import Running, free_port, start
 from elastic.train.context import PausedForResize, TrainContext
@@ -83,6 +83,9 @@ class CommandPlan:
     # A ``train_loop`` of the package (``train.py:train_loop``) run with the ctx API in the
     # child, instead of ``argv`` (elastic/train/loop_child.py).
     entrypoint: str | None = None
+    cpus: float | None = None  # the CPU quota of each worker's command
+    memory_gb: float | None = None  # its memory limit, GiB (None: none)
+    framework: str = command_env.PYTORCH  # whose variables it gets besides torchrun's
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CommandPlan:
@@ -97,6 +100,9 @@ class CommandPlan:
             data_roots=tuple(str(r) for r in d.get("data_roots") or ()),
             requirements=tuple(str(r) for r in d.get("requirements") or ()),
             entrypoint=d.get("entrypoint"),
+            cpus=d.get("cpus"),
+            memory_gb=d.get("memory_gb"),
+            framework=str(d.get("framework") or command_env.PYTORCH),
         )
 
 
@@ -194,14 +200,24 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         max_restarts=plan.max_restarts,
         run_id=plan.job_id,
     )
+    endpoints: list[Any] = []
+    if plan.framework in command_env.NEEDS_ENDPOINTS:
+        # Each worker listens on a port of its own host (TensorFlow's gRPC server): it picks
+        # one free there, and every worker is told every worker's, in rank order.
+        own = (host, free_port(host))
+        endpoints = [own] * world
+        if world > 1:
+            dist.all_gather_object(endpoints, own)
+    added.update(command_env.framework_variables(plan.framework, rank, endpoints))
     if files is not None:
         added[command_env.CHECKPOINT_DIR_ENV] = files
     gpus = [g for n, _, ids in everyone if n == mine[0] for g in ids]
     if gpus:  # the node's workers' GPUs, in local-rank order: LOCAL_RANK picks this one's
         added["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    with _working_directory(plan, uid) as workdir:
-        env = command_env.child_environment(os.environ, str(workdir), added)
+    with _working_directory(plan, uid) as workdir, _limited(plan, rank) as groups:
+        env = command_env.child_environment(os.environ, str(workdir), added, plan.cpus)
         rules = confinement(workdir, files, uid, plan.data_roots)
+        rules["cgroups"] = groups.procs_files
         args = command_requirements.pip_arguments(plan.requirements, workdir)
         if args:
             installed = _install(ctx, plan, args, workdir, env, rules, uid)
@@ -229,6 +245,21 @@ def run_command(config: dict[str, Any], ctx: TrainContext) -> None:
         finally:
             running.stop(0)
             running.join()
+
+
+@contextlib.contextmanager
+def _limited(plan: CommandPlan, rank: int) -> Iterator[command_limits.CommandGroups]:
+    """The control groups that hold the command to its CPUs and memory while it runs; a
+    command the kernel killed at its memory limit fails saying so."""
+    limits = command_limits.Limits(plan.cpus, plan.memory_gb)
+    with command_limits.limited(f"{plan.job_id[:12]}-{rank}", limits) as groups:
+        try:
+            yield groups
+        except CommandFailed as e:
+            memory = groups.memory_message()
+            if memory is None:
+                raise
+            raise CommandFailed(memory) from e
 
 
 def _run_loop(

@@ -4,10 +4,13 @@ worker's own. Pure: the worker (``elastic/train/command.py``) gathers the facts.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from elastic.train import command_limits
 
 # The worker's variables a user's process keeps: what a process, Python, torch and the
 # accelerators need. Nothing of Ray's (its address, its token), nothing of the service's.
@@ -35,6 +38,13 @@ REPORT_FD_ENV = "ETRAIN_REPORT_FD"
 CHECKPOINT_DIR_ENV = "ETRAIN_CHECKPOINT_DIR"
 # The variable through which a loop run from a code package reads its worker's answers.
 REPLY_FD_ENV = "ETRAIN_REPLY_FD"
+# What a command job's processes are set up for: torchrun's environment alone, or also the
+# variables another framework's launcher gives each of its workers.
+PYTORCH, TENSORFLOW = "pytorch", "tensorflow"
+FRAMEWORKS = (PYTORCH, TENSORFLOW)
+# Frameworks whose workers each listen on a port of their own, which every worker is told.
+NEEDS_ENDPOINTS = frozenset({TENSORFLOW})
+TF_CONFIG_ENV = "TF_CONFIG"
 # Unprivileged ids a job's process runs as when the workers run as root: one per owner, so
 # that owners' files and processes are apart (see docs/security.md for the odds of two
 # owners sharing one).
@@ -102,13 +112,46 @@ def torchrun_variables(
     }
 
 
-def child_environment(
-    worker_env: Mapping[str, str], home: str, added: Mapping[str, str]
+def endpoint(host: str, port: int) -> str:
+    """``host:port`` as gRPC takes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def tf_config(rank: int, endpoints: Sequence[tuple[str, int]]) -> str:
+    """``TF_CONFIG`` for ``rank``: what ``tf.distribute.MultiWorkerMirroredStrategy`` reads
+    (through its ``TFConfigClusterResolver``). Every rank is a ``worker`` and the task's
+    index is its rank, so worker 0, TensorFlow's chief for checkpoints and
+    ``BackupAndRestore``, is rank 0; ``endpoints`` are every rank's, in rank order."""
+    if not 0 <= rank < len(endpoints):
+        raise ValueError(f"rank {rank} is not one of the {len(endpoints)} workers")
+    cluster = {"worker": [endpoint(host, port) for host, port in endpoints]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}})
+
+
+def framework_variables(
+    framework: str, rank: int, endpoints: Sequence[tuple[str, int]]
 ) -> dict[str, str]:
-    """The worker's environment cut to what a user's process may see, plus ``added``."""
+    """What ``framework``'s own launcher would add to torchrun's variables for ``rank``
+    (``endpoints``: every rank's own ``(host, port)``, for the frameworks that need them)."""
+    if framework == PYTORCH:
+        return {}
+    if framework == TENSORFLOW:
+        return {TF_CONFIG_ENV: tf_config(rank, endpoints)}
+    raise ValueError(f"unknown framework {framework!r}: one of {', '.join(FRAMEWORKS)}")
+
+
+def child_environment(
+    worker_env: Mapping[str, str],
+    home: str,
+    added: Mapping[str, str],
+    cpus: float | None = None,
+) -> dict[str, str]:
+    """The worker's environment cut to what a user's process may see, plus ``added``; with
+    ``cpus``, thread pools sized to them where the worker's environment does not say."""
     kept = {k: v for k, v in worker_env.items() if k in KEPT_NAMES or k.startswith(KEPT_PREFIXES)}
     tmp = os.path.join(home, ".tmp")
     return {
+        **command_limits.thread_variables(cpus, kept),
         **kept,
         "HOME": home,
         "TMPDIR": tmp,

@@ -1,11 +1,15 @@
 """Runs a user's command confined, as the first process of its own world.
 
 ``python -I confine.py RULES -- ARGV...``, where RULES is JSON:
-``{"read": [paths], "write": [paths], "uid": int | null, "gid": int | null}``.
+``{"read": [paths], "write": [paths], "uid": int | null, "gid": int | null,
+"cgroups": [paths]}``.
 
 It is run by path with ``-I`` and imports the standard library only, so that nothing the
 user's package or environment holds is imported into it. It:
 
+- moves itself into the control groups the worker made for the command (``cgroups``: their
+  ``cgroup.procs`` files), which hold it and every process it starts to the job's CPUs and
+  memory (``command_limits.py``), while it may still write them;
 - restricts what the command can touch with Landlock (when the kernel has it): it reads
   and executes beneath ``read`` and ``write``, writes beneath ``write`` only. Landlock's
   rules hold for every process the command starts, and for root too;
@@ -108,12 +112,27 @@ def drop_capabilities() -> None:
         libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # past the kernel's last: EINVAL
 
 
+def join_groups(procs_files: list[str]) -> None:
+    """This process into each group (``0``: the writer), before Landlock would refuse it."""
+    for procs in procs_files:
+        try:
+            with open(procs, "w") as f:
+                f.write("0")
+        except OSError as e:
+            print(
+                f"[elastic-train] the command is not held to its limits: {procs}: {e.strerror}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--":
         print("usage: confine.py RULES -- ARGV...", file=sys.stderr)
         return 2
     rules: dict[str, Any] = json.loads(argv[0])
     command = argv[2:]
+    join_groups(list(rules.get("cgroups") or []))
     # No program it runs gains privileges (setuid, file capabilities); Landlock needs it too.
     if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         print(f"[elastic-train] no_new_privs: {os.strerror(ctypes.get_errno())}", file=sys.stderr)

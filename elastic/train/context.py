@@ -25,13 +25,14 @@ or, with the loop's own forward pass and a hook before the optimizer step:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -239,6 +240,25 @@ class _SampleLog:
             self.file.flush()
 
 
+_Context = TypeVar("_Context", bound="TrainContext")
+_Args = ParamSpec("_Args")
+
+
+def tracked_steps(
+    batches: Callable[Concatenate[_Context, _Args], Iterator[StepBatch]],
+) -> Callable[Concatenate[_Context, _Args], Iterator[StepBatch]]:
+    """A context's ``batches``, its generator kept, so that :meth:`TrainContext.finish_steps`
+    can complete the bookkeeping of a step the loop trained and then left."""
+
+    def kept(ctx: _Context, /, *args: _Args.args, **kwargs: _Args.kwargs) -> Iterator[StepBatch]:
+        steps = batches(ctx, *args, **kwargs)
+        ctx._open_steps = steps
+        return steps
+
+    functools.update_wrapper(kept, batches)
+    return kept
+
+
 class TrainContext:
     """What ``train_loop(config, ctx)`` receives. See the module docstring and
     ``examples/custom_train_loop.py``."""
@@ -257,7 +277,8 @@ class TrainContext:
         self.local_sgd = LocalSGD(self.options.local_sgd_period) if self.options.local_sgd else None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # ctx.batches'
+        self.user_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.dtype: torch.dtype | None = None
         # What a loop wants back after a restore, saved with each checkpoint: tensors,
         # numbers, strings, and lists, tuples and dicts of them (checkpoints load with
@@ -288,6 +309,7 @@ class TrainContext:
         # Set on every rank alike (by ``evaluate``, a collective): report at this step.
         self._report_now = False
         self._trained: int | None = None
+        self._open_steps: Iterator[StepBatch] | None = None  # the latest ``batches``
         # The last step's loss sum and right answers over its global batch (all workers).
         self._totals = torch.zeros(2, dtype=torch.float64)
         self._counts_accuracy = True  # false after a step of the loop's own forward pass
@@ -368,8 +390,24 @@ class TrainContext:
         self.optimizer = optimizer
         return optimizer
 
+    def prepare_scheduler(
+        self, scheduler: torch.optim.lr_scheduler.LRScheduler
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """The loop's own LR scheduler (``StepLR``, ``OneCycleLR``, ...), built on the
+        prepared optimizer and stepped where the loop steps it (per epoch, per step): saved
+        with each checkpoint and restored with it, so a resumed or resized run goes on with
+        the same rates. With one, ``ctx.batches`` sets no rate of its own."""
+        if scheduler.optimizer is not self.optimizer:
+            raise ValueError("build the scheduler on the optimizer ctx.prepare_optimizer returned")
+        self.user_scheduler = scheduler
+        self.checkpoints.state.register(
+            "user_scheduler", Value(scheduler.state_dict, scheduler.load_state_dict)
+        )
+        return scheduler
+
     # -- the steps -----------------------------------------------------------------------
 
+    @tracked_steps
     def batches(
         self,
         dataset: Dataset[Any],
@@ -480,31 +518,55 @@ class TrainContext:
             if draining or self.step % self.worker.every_steps == 0 or self.step == last_step:
                 self._checkpoint(last_step)
 
+    def finish_steps(self) -> None:
+        """After the loop returned: a step it trained and then left ``ctx.batches`` on (a
+        loop whose epoch function returns at ``batch.ends_epoch``) still gets what follows
+        a step there: its count, its report, and the run's final checkpoint. The generator
+        is then closed: a step not yet trained is not taken."""
+        steps, self._open_steps = self._open_steps, None
+        if steps is None:
+            return
+        try:
+            if self._trained is not None and self._trained > self.step:
+                next(steps, None)
+        finally:
+            if isinstance(steps, Generator):
+                steps.close()
+
     def _begin_steps(self, settings: LoopSettings, dataset_size: int) -> int:
         """The learning-rate schedule (restored with the checkpoint) and the micro-batch
         size of a run of steps; returns its last step."""
         if self.model is None or self.optimizer is None:
             raise RuntimeError("call ctx.prepare_model and ctx.prepare_optimizer first")
-        if self.scheduler is None and hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
-            # torch marks an optimizer's step once any LR scheduler is built on it. Ours sets
-            # the rate at every step, so the loop's own would be overridden without a word.
-            raise ValueError(
-                "an LR scheduler of the loop's own is on this optimizer, and ctx.batches "
-                "sets the learning rate at every step (lr_schedule='constant' or 'cosine', "
-                "warmup_steps=N): drop it and use those, or run the script as a command job "
-                "(command: [...]), which leaves the script's scheduler as it is"
-            )
         last_step = self._final_step = total_steps(settings, dataset_size)
         schedule, warmup = settings.lr_schedule, settings.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, last_step, schedule, warmup)
-        )
-        if self.checkpoints.state.register("scheduler", self.scheduler):
-            # Making the scheduler set the lr of step 0; the restored step's lr is the one.
-            for group, lr in zip(
-                self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
-            ):
-                group["lr"] = lr
+        if self.user_scheduler is not None:
+            if schedule != "constant" or warmup:
+                raise ValueError(
+                    "the loop's own LR scheduler (ctx.prepare_scheduler) sets the learning "
+                    "rate: leave ctx.batches' lr_schedule 'constant', with no warmup_steps"
+                )
+        elif self.scheduler is None and hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
+            # torch marks an optimizer's step once any LR scheduler is built on it. Ours sets
+            # the rate at every step, so one the context was not given would be overridden
+            # without a word.
+            raise ValueError(
+                "an LR scheduler of the loop's own is on this optimizer, and ctx.batches "
+                "would set the learning rate at every step: give it to "
+                "ctx.prepare_scheduler(scheduler) (it is then stepped where the loop steps "
+                "it, and saved with each checkpoint), or drop it and use ctx.batches' "
+                "lr_schedule='constant' or 'cosine' and warmup_steps=N"
+            )
+        else:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda s: lr_factor(s, last_step, schedule, warmup)
+            )
+            if self.checkpoints.state.register("scheduler", self.scheduler):
+                # Making the scheduler set the lr of step 0; the restored step's lr is the one.
+                for group, lr in zip(
+                    self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True
+                ):
+                    group["lr"] = lr
         # The micro-batch is a worker's share at full size: fewer workers accumulate more
         # of them, so memory per step stays put and one optimizer step still sees the
         # global batch.
@@ -532,7 +594,7 @@ class TrainContext:
         In place a step a lost peer cut short is discarded: it returns None and the same
         samples come again."""
         model, optimizer = self.model, self.optimizer
-        assert model is not None and optimizer is not None and self.scheduler is not None
+        assert model is not None and optimizer is not None
         run = self._forward_pass(loss_per_sample, forward)
         inputs = self._cast(batch.inputs)
         optimizer.zero_grad(set_to_none=True)
@@ -567,7 +629,8 @@ class TrainContext:
         self._before_step(before_step)
         self.precision.step(optimizer)
         self.worker.completed_step = batch.step
-        self.scheduler.step()
+        if self.scheduler is not None:  # the loop's own, if any, it steps itself
+            self.scheduler.step()
         # Local SGD averages every H steps and at the end, so the final model is the
         # average; submission makes checkpoint.every_steps a multiple of H, so every
         # checkpoint holds the averaged model too.
@@ -721,7 +784,7 @@ class TrainContext:
         """The report of the step just completed: ``totals`` holds its summed loss and count
         of correct answers over the global batch; ``more``, what a mode adds; then what the
         loop added with ``ctx.report``."""
-        assert self.scheduler is not None
+        assert self.optimizer is not None
         global_batch = self._step_global_batch
         return {
             "step": self.step,
@@ -730,7 +793,11 @@ class TrainContext:
             # Counted only by the context's own forward pass, which sees the outputs.
             "accuracy": float(totals[1]) / global_batch if self._counts_accuracy else None,
             "samples_per_s": samples_per_s,
-            "learning_rate": self.scheduler.get_last_lr()[0],
+            "learning_rate": (
+                self.scheduler.get_last_lr()[0]
+                if self.scheduler is not None
+                else float(self.optimizer.param_groups[0]["lr"])
+            ),
             "world_size": world_size,
             "total_steps": last_step,
             "completed_step": self.worker.completed_step,
@@ -772,6 +839,7 @@ def run_with_context(
     ctx = TrainContext(config, worker or WorkerContext.from_config(config))
     try:
         train_loop(config, ctx)
+        ctx.finish_steps()
         # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
         ctx.checkpoints.wait()
     except PausedForResize:

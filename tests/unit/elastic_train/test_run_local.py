@@ -111,7 +111,8 @@ def test_a_workload_job_is_for_the_service(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        "error: run-local runs command jobs (command: [...]); a workload runs on the service"
+        "error: run-local runs your own code: a command (command: [...]) or a loop of the "
+        "package (entrypoint: train.py:train_loop); a built-in workload runs on the service"
     )
 
 
