@@ -66,7 +66,7 @@ def run_package_loop(
     the actor's ``abort_step``, ``leave`` and ``expect_drain``."""
     from elastic.checkpoint.storage import is_object_uri
     from elastic.in_place.child_link import ReplicaRelay
-    from elastic.train import command_env, command_requirements
+    from elastic.train import command_env, command_limits, command_requirements
     from elastic.train.command import CommandPlan, _files_dir, _give, _working_directory
     from elastic.train.command_confinement import confinement, unprivileged_uid
     from elastic.train.command_process import start
@@ -77,9 +77,16 @@ def run_package_loop(
     uid = unprivileged_uid(plan.owner)
     files = _files_dir(plan, uid)
     added = {} if files is None else {command_env.CHECKPOINT_DIR_ENV: files}
-    with _working_directory(plan, uid) as workdir:
-        env = command_env.child_environment(os.environ, str(workdir), added)
+    # Held to the job's CPUs and memory per worker as restart mode's child is; named per
+    # replica, since a node may hold several replicas of the job.
+    limits = command_limits.Limits(plan.cpus, plan.memory_gb)
+    with (
+        _working_directory(plan, uid) as workdir,
+        command_limits.limited(f"{plan.job_id[:12]}-r{replica}", limits) as groups,
+    ):
+        env = command_env.child_environment(os.environ, str(workdir), added, plan.cpus)
         rules = confinement(workdir, files, uid, plan.data_roots)
+        rules["cgroups"] = groups.procs_files
         args = command_requirements.pip_arguments(plan.requirements, workdir)
         if args:
             installed = _install_on_this_node(plan.owner, args, workdir, env, rules, uid)
@@ -124,6 +131,9 @@ def run_package_loop(
         finally:
             running.stop(0)
             running.join()  # its last lines (the outcome) read
+        memory = groups.memory_message() if code != 0 else None
+    if memory is not None:  # the kernel killed it at the job's memory limit
+        raise RuntimeError(f"replica {replica}: {memory}")
     if relay.code_error is not None:
         raise EntrypointError(relay.code_error)
     if code != 0:
@@ -234,6 +244,7 @@ def main(argv: list[str]) -> int:
     try:
         try:
             train_loop(config, ctx)
+            ctx.finish_steps()  # a step trained after the loop left ctx.batches
             ctx.checkpoints.wait()
             outcome = "finished" if worker.rank == 0 else "finished as a replica"
         except LeftTheQuorum:
