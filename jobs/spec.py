@@ -295,6 +295,11 @@ class JobSpec(BaseModel):
         Decided here alone; the launcher and the supervisor take it from this."""
         if self.fault_tolerance is not None:
             return self.fault_tolerance
+        if self.runs_package_loop:
+            # In place, a package loop's replicas run it in confined children: asked for,
+            # it is had (the options below decide whether it may be); restart stays the
+            # default until it is proven as widely as restart mode's child.
+            return "restart"
         return "restart" if self._why_not_in_place() else "in_place"
 
     def _why_not_in_place(self) -> str | None:

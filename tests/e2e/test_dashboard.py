@@ -205,6 +205,7 @@ def test_sign_in_submit_a_job_see_it_succeed_live_and_open_it(
         "max_workers": 1,
         "cpus_per_worker": 1.0,
         "gpus_per_worker": 0,
+        "memory_per_worker_gb": None,
     }
     assert job["spec"]["checkpoint"] == {"every_steps": 10, "keep": 3}
     shoot(page, "03-jobs")

@@ -146,6 +146,7 @@ def test_submit_follow_draws_the_bar_to_succeeded(
                 "max_workers": 2,
                 "cpus_per_worker": 1.0,
                 "gpus_per_worker": 0,
+                "memory_per_worker_gb": None,
             }
 
             running = etrain(env, "jobs", "--state", "running")

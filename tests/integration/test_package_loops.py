@@ -182,7 +182,7 @@ def test_a_package_loop_in_place_survives_a_node_loss_without_a_restart(
     # Enough steps (about 0.1 s each at 2 replicas here) for the node added back and its
     # replica's start (Ray, then torch in the actor and in its child) before the job ends.
     steps = 600
-    spec = loop_job(steps, workers=3, pace_s=IN_PLACE_PACE_S, fault_tolerance=None)
+    spec = loop_job(steps, workers=3, pace_s=IN_PLACE_PACE_S, fault_tolerance="in_place")
     with Client(server.url, TOKEN) as client:
         job = client.submit(spec, code=LOOP_DIR)
 

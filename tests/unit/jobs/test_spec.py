@@ -256,9 +256,9 @@ def test_a_job_names_one_program_and_a_package_runs_a_command_or_its_own_loop() 
         True,
         False,
     )
-    # A package loop recovers in place where its options allow it, as a built-in does; its
-    # requirements are installed by each replica on its node.
-    assert loop.recovery_mode == "in_place"
+    # A package loop recovers by restart unless it asks for in place, which its options
+    # must allow, as a built-in's do.
+    assert loop.recovery_mode == "restart"
     for asked in ("in_place", "restart"):
         chosen = JobSpec.model_validate(
             {"name": "x", "entrypoint": "t.py:f", "code": PACKAGE, "fault_tolerance": asked}
