@@ -27,26 +27,6 @@ from pathlib import Path
 from typing import Any
 
 PLAN_FILE = "replica-plan.json"
-# A child's first lines: it runs the very ``elastic`` package its actor runs, found by its
-# directory (readable to the child), not by the import path: an editable install's finder may
-# name another checkout, one the child may not read.
-_BOOT = """import importlib.util, runpy, sys
-package, module = sys.argv.pop(1), sys.argv.pop(1)
-spec = importlib.util.spec_from_file_location(
-    "elastic", package + "/__init__.py", submodule_search_locations=[package]
-)
-sys.modules["elastic"] = loaded = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(loaded)
-runpy.run_module(module, run_name="__main__", alter_sys=True)
-"""
-
-
-def child_argv(module: str, *args: str) -> list[str]:
-    """``python -m module args`` with this process's ``elastic`` package (see _BOOT)."""
-    import elastic
-
-    package = str(Path(elastic.__file__).resolve().parent)
-    return [sys.executable, "-c", _BOOT, package, module, *args]
 
 
 def run_package_loop(
@@ -64,13 +44,18 @@ def run_package_loop(
     ``manager``: what the child builds its Manager from (lighthouse, replica id, timeout,
     host, must_heal, starting); ``on_relay`` is given the relay before the child starts, for
     the actor's ``abort_step``, ``leave`` and ``expect_drain``."""
-    from elastic.checkpoint.storage import is_object_uri
     from elastic.in_place.child_link import ReplicaRelay
     from elastic.train import command_env, command_limits, command_requirements
+    from elastic.train.child_boot import child_argv
     from elastic.train.command import CommandPlan, _files_dir, _give, _working_directory
-    from elastic.train.command_confinement import confinement, unprivileged_uid
+    from elastic.train.command_confinement import (
+        confinement,
+        unprivileged_uid,
+        writing_checkpoints,
+    )
     from elastic.train.command_process import start
     from elastic.train.entrypoint import EntrypointError
+    from elastic.train.loop_link import child_config
 
     plan = CommandPlan.from_dict(config["command"])
     assert plan.entrypoint is not None
@@ -94,17 +79,8 @@ def run_package_loop(
             rules["read"].append(str(installed))
         # The context writes the job's checkpoints (and TensorBoard files, and the sample
         # audit) there itself.
-        write = list(rules["write"])
-        checkpoints = str(meta["checkpoint_dir"])
-        if not is_object_uri(checkpoints):
-            Path(checkpoints).mkdir(parents=True, exist_ok=True)
-            if uid is not None:
-                os.chown(checkpoints, uid, uid)
-            write.append(checkpoints)
-        # The service's part of the config stays here (the MLflow one too: the child holds
-        # no MLflow credentials), the loop gets its own.
-        loop_config = {k: v for k, v in config.items() if k not in ("command", "_mlflow")}
-        loop_config["_elastic"] = meta
+        rules = writing_checkpoints(rules, str(meta["checkpoint_dir"]), uid)
+        loop_config = {**child_config(config), "_elastic": meta}
         plan_file = workdir / ".tmp" / PLAN_FILE
         plan_file.write_text(
             json.dumps(
@@ -121,9 +97,7 @@ def run_package_loop(
         relay = ReplicaRelay(worker, supervisor, worker.attempt, replica)
         on_relay(relay)
         argv = child_argv("elastic.in_place.replica_child", str(plan_file))
-        running = start(
-            argv, workdir, env, {**rules, "write": write}, None, on_line=relay.line, replies=True
-        )
+        running = start(argv, workdir, env, rules, None, on_line=relay.line, replies=True)
         assert running.replies is not None
         relay.attach(running.replies)
         try:

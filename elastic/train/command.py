@@ -24,7 +24,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -39,11 +38,16 @@ import torch.distributed as dist
 from elastic.checkpoint.storage import is_object_uri
 from elastic.events import COMMANDS_STARTED, EventKind
 from elastic.train import command_env, command_limits, command_requirements
-from elastic.train.command_confinement import confinement, unprivileged_uid
+from elastic.train.child_boot import child_argv
+from elastic.train.command_confinement import (
+    confinement,
+    unprivileged_uid,
+    writing_checkpoints,
+)
 from elastic.train.command_process import Running, free_port, start
 from elastic.train.context import PausedForResize, TrainContext
 from elastic.train.entrypoint import EntrypointError
-from elastic.train.loop_link import ChildRelay
+from elastic.train.loop_link import ChildRelay, child_config
 from elastic.train.metric_points import PointMerger
 from elastic.train.process_group import AttemptAbandoned, all_reduce
 
@@ -277,15 +281,8 @@ def _run_loop(
     paused for a resize, :data:`CODE_ERROR_EXIT` when the entrypoint cannot load."""
     assert plan.entrypoint is not None
     worker = ctx.worker
-    checkpoints = worker.config.checkpoint_dir
-    write = list(rules["write"])
-    if not is_object_uri(checkpoints):
-        Path(checkpoints).mkdir(parents=True, exist_ok=True)
-        if uid is not None:
-            os.chown(checkpoints, uid, uid)
-        write.append(checkpoints)
-    # The service's part of the config stays here: the child gets the loop's.
-    loop_config = {k: v for k, v in config.items() if k not in ("command", "_mlflow")}
+    rules = writing_checkpoints(rules, worker.config.checkpoint_dir, uid)
+    loop_config = child_config(config)
     plan_file = workdir / ".tmp" / "loop-plan.json"
     plan_file.write_text(
         json.dumps(
@@ -300,10 +297,8 @@ def _run_loop(
     _give(plan_file, uid)
     points = PointMerger(lambda point: _send_point(ctx, point)) if ctx.rank == 0 else None
     relay = ChildRelay(worker, points.add_line if points is not None else None)
-    argv = [sys.executable, "-m", "elastic.train.loop_child", str(plan_file)]
-    running = start(
-        argv, workdir, env, {**rules, "write": write}, None, on_line=relay.line, replies=True
-    )
+    argv = child_argv("elastic.train.loop_child", str(plan_file))
+    running = start(argv, workdir, env, rules, None, on_line=relay.line, replies=True)
     assert running.replies is not None
     relay.attach(running.replies)
     told_drain = False

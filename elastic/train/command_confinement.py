@@ -103,3 +103,16 @@ def confinement(
     writable = [str(workdir), "/dev", *([files] if files and not is_object_uri(files) else [])]
     readable = [*readable_roots(), *data_roots]
     return {"read": readable, "write": writable, "uid": uid, "gid": uid}
+
+
+def writing_checkpoints(
+    rules: dict[str, Any], checkpoint_dir: str, uid: int | None
+) -> dict[str, Any]:
+    """``rules`` for a package loop's child, which also writes the job's checkpoint
+    directory (its context saves there): made on first use, and its uid's."""
+    if is_object_uri(checkpoint_dir):
+        return rules
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    if uid is not None:
+        os.chown(checkpoint_dir, uid, uid)
+    return {**rules, "write": [*rules["write"], checkpoint_dir]}

@@ -92,6 +92,12 @@ def relayable(kind: str, data: Any) -> str | None:
     return None
 
 
+def child_config(config: dict[str, Any]) -> dict[str, Any]:
+    """What of a worker's config a loop's child gets: the loop's, not the service's (its
+    command plan, its MLflow target: the child holds no MLflow credentials)."""
+    return {k: v for k, v in config.items() if k not in ("command", "_mlflow")}
+
+
 def _plain(value: Any) -> Any:
     """JSON for what an event may hold besides JSON's own types (a 0-d tensor, a path)."""
     item = getattr(value, "item", None)
