@@ -236,6 +236,25 @@ def client_pauses() -> Iterator[list[float]]:
         gc.unfreeze()
 
 
+def serve(settings: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`etrain serve` in a process of its own, quiet, on its embedded Ray with 2 CPUs, with
+    no rate limit (a bench measures the service, not its limits) and these settings."""
+    env = {
+        **os.environ,
+        "ETRAIN_API_TOKEN": TOKEN,
+        "ETRAIN_LOG_LEVEL": "warning",
+        "ETRAIN_RATE_LIMIT_PER_S": "0",
+        "ETRAIN_RAY_NUM_CPUS": "2",
+        **settings,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def wait_ready(base: str, server: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 180
     while True:
@@ -271,23 +290,14 @@ def main() -> None:
         ids = seed_store(url, args.jobs)
         seeded_s = time.perf_counter() - seeded_at
         base = f"http://127.0.0.1:{args.port}"
-        env = {
-            **os.environ,
-            "ETRAIN_DATA_DIR": data,
-            "ETRAIN_DATABASE_URL": url,
-            "ETRAIN_API_TOKEN": TOKEN,
-            "ETRAIN_PORT": str(args.port),
-            "ETRAIN_LOG_LEVEL": "warning",
-            "ETRAIN_RATE_LIMIT_PER_S": "0",
-            # It measures latency, not limits: its submissions never wait for a slot.
-            "ETRAIN_USER_MAX_ACTIVE_JOBS": "100000",
-            "ETRAIN_RAY_NUM_CPUS": "2",
-        }
-        server = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        server = serve(
+            {
+                "ETRAIN_DATA_DIR": data,
+                "ETRAIN_DATABASE_URL": url,
+                "ETRAIN_PORT": str(args.port),
+                # It measures latency, not limits: its submissions never wait for a slot.
+                "ETRAIN_USER_MAX_ACTIVE_JOBS": "100000",
+            }
         )
         try:
             wait_ready(base, server)

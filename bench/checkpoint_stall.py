@@ -11,6 +11,11 @@ Runs of the three kinds are interleaved and repeated; medians and ranges are pri
 
     .venv/bin/python -m bench.checkpoint_stall [--rounds 3] [--width 3584] [--layers 6]
 
+``--phases`` prints instead what each part of one checkpoint of that model costs on its own
+(wall and CPU seconds, median of ``--rounds``), with training stopped: the copy to CPU
+memory into new memory and into buffers kept from the checkpoint before, ``torch.save``
+with and without its CRC-32, the fsync, and the SHA-256 of the file for the manifest.
+
 No Ray: one process, as one worker of a job. Checkpoints go to a temporary directory on
 the local disk.
 """
@@ -19,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +36,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from elastic.checkpoint.writer import CheckpointManager
+from elastic.checkpoint.storage import sha256_of
+from elastic.checkpoint.writer import CheckpointManager, StagingBuffers, cpu_copy, save_unchecked
 from elastic.train.context import run_with_context
 from elastic.train.worker import WorkerContext
 
@@ -110,6 +118,48 @@ def one_run(kind: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     }
 
 
+def phases(args: argparse.Namespace, root: Path) -> None:
+    """Each part of one checkpoint of the bench's model, alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    model(torch.randn(args.batch, args.width)).pow(2).mean().backward()
+    optimizer.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    staging = StagingBuffers()
+    cpu_copy(state, staging=staging)  # the buffers of "the checkpoint before"
+    snapshot = cpu_copy(state)
+    path = root / "state.pt"
+
+    def fsync() -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    parts: dict[str, Callable[[], object]] = {
+        "copy into new memory": lambda: cpu_copy(state),
+        "copy into kept buffers": lambda: cpu_copy(state, staging=staging),
+        "torch.save with its CRC-32": lambda: torch.save(snapshot, path),
+        "torch.save without (the writer's)": lambda: save_unchecked(snapshot, path),
+        "fsync": fsync,
+        "SHA-256 of the file": lambda: sha256_of(path),
+    }
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in parts}
+    for _ in range(args.rounds):
+        for name, part in parts.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            part()
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    mib = sum(t.numel() * t.element_size() for t in snapshot["model"].values()) * 2 / 2**20
+    print(f"one checkpoint of {mib:.0f} MiB, median (range) of {args.rounds}\n")
+    print("| part | wall s | CPU s |\n| --- | --- | --- |")
+    for name, runs in times.items():
+        walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+        print(f"| {name} | {spread(walls, '{:.3f}')} | {spread(cpus, '{:.3f}')} |")
+
+
 def spread(values: list[float], fmt: str = "{:.1f}") -> str:
     return (
         f"{fmt.format(statistics.median(values))} "
@@ -125,7 +175,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=17)
     parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--phases", action="store_true", help="each part of a checkpoint alone")
     args = parser.parse_args()
+    if args.phases:
+        with tempfile.TemporaryDirectory() as tmp:
+            phases(args, Path(tmp))
+        return
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
     with tempfile.TemporaryDirectory() as tmp:
         one_run("background", args, Path(tmp) / "warm-up")  # first-touch allocations, caches

@@ -41,10 +41,22 @@ class RunLocalError(ValueError):
 
 
 def environments(
-    workers: int, base: Mapping[str, str], checkpoint_dir: str, port: int
+    workers: int,
+    base: Mapping[str, str],
+    checkpoint_dir: str,
+    port: int,
+    framework: str = command_env.PYTORCH,
 ) -> list[dict[str, str]]:
-    """Each local worker's environment: ``base`` with torchrun's variables for one node."""
+    """Each local worker's environment: ``base`` with torchrun's variables for one node,
+    and what ``framework``'s launcher adds (TensorFlow's ``TF_CONFIG``, each worker on a
+    port of its own)."""
+    if framework not in command_env.FRAMEWORKS:
+        raise RunLocalError(
+            f"unknown framework {framework!r}: one of {', '.join(command_env.FRAMEWORKS)}"
+        )
     places = command_env.places(["local"] * workers)
+    own_ports = [] if framework == command_env.PYTORCH else free_ports(workers)
+    endpoints = [("127.0.0.1", p) for p in own_ports]
     return [
         {
             **base,
@@ -58,10 +70,19 @@ def environments(
                 max_restarts=0,
                 run_id="local",
             ),
+            **command_env.framework_variables(framework, rank, endpoints),
             command_env.CHECKPOINT_DIR_ENV: checkpoint_dir,
         }
         for rank in range(workers)
     ]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on loopback now."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port("127.0.0.1"))
+    return sorted(ports)
 
 
 def _pump(stream: IO[bytes], prefix: str, out: Callable[[str], None]) -> None:
@@ -170,7 +191,8 @@ def run_local(
         out("run-local: the job's requirements are not installed here: this Python has them")
     out(f"run-local: {workers} worker{'s' if workers > 1 else ''} of {what}")
     out(f"run-local: ETRAIN_CHECKPOINT_DIR={checkpoint_dir}")
-    envs = environments(workers, os.environ, str(checkpoint_dir), free_port("127.0.0.1"))
+    framework = str(spec.get("framework") or command_env.PYTORCH)
+    envs = environments(workers, os.environ, str(checkpoint_dir), free_port("127.0.0.1"), framework)
     processes: list[subprocess.Popen[bytes]] = []
     threads: list[threading.Thread] = []
     lock = threading.Lock()

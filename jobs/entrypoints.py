@@ -59,7 +59,31 @@ def problem_in_source(what: str, source: bytes, function: str) -> str | None:
         return None  # a star import or a module __getattr__ may bind it: the workers tell
     if function not in names:
         return f"{what} defines no {function!r}"
-    return None
+    return arity_problem(tree, function)
+
+
+def arity_problem(tree: ast.Module, function: str) -> str | None:
+    """A top-level ``def function`` must take no arguments (a script's ``main()``, which
+    gets its context from ``elastic.train.get_context``) or ``(config, ctx)``: the two ways
+    a worker calls a loop."""
+    defs = [
+        node
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function
+    ]
+    if not defs:
+        return None  # bound another way (an assignment, an import): the workers tell
+    args = defs[-1].args
+    if args.vararg is not None:
+        return None
+    positional = [*args.posonlyargs, *args.args]
+    required = len(positional) - len(args.defaults)
+    if required in (0, 2):
+        return None
+    return (
+        f"{function}() takes {required} required argument{'s' if required != 1 else ''}: a "
+        "loop takes either no arguments (see elastic.train.get_context) or (config, ctx)"
+    )
 
 
 def package_members(entrypoint: str) -> list[str]:

@@ -10,8 +10,10 @@ from typing import Any
 
 import ray
 
-from elastic.cluster.capacity import shared_watcher
+from elastic.cluster.capacity import RowDecision, shared_watcher
+from elastic.cluster.scheduling import Demand
 from elastic.cluster.scheduling import Knobs as Knobs  # the service builds them: re-exported
+from jobs.spec import JobSpec
 
 # The scheduler answers from memory: longer than this means it is not running (its node is
 # being declared dead, or it is being re-created), and the caller says so rather than hang.
@@ -51,6 +53,41 @@ async def queue_view(namespace: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[
     (its docstring has the fields)."""
     view: dict[str, Any] = await _call(namespace, "queue", timeout_s=timeout_s)
     return view
+
+
+def demand(job_id: str, spec: JobSpec, owner: str, submitted_at: float) -> Demand:
+    """What the job asks of the scheduler: the same whether its row or its supervisor asks
+    (``jobs.launcher.launch`` gives the supervisor these values)."""
+    return Demand(
+        job_id=job_id,
+        owner=owner,
+        priority=spec.priority_value,
+        min_workers=spec.scaling.min_workers,
+        max_workers=spec.scaling.max_workers,
+        per_worker=dict(spec.scaling.worker_resources()),
+        submitted_at=submitted_at,
+        resize=spec.recovery_mode,
+    )
+
+
+async def hold_rows(
+    namespace: str, demands: list[Demand], timeout_s: float = CALL_TIMEOUT_S
+) -> tuple[int, dict[str, RowDecision]]:
+    """Book the queued jobs that have no supervisor (all of them: a job left out is
+    unbooked); the books' version and each one's decision (``MembershipWatcher.hold_rows``)."""
+    answer: tuple[int, dict[str, RowDecision]] = await _call(
+        namespace, "hold_rows", demands, timeout_s=timeout_s
+    )
+    return answer
+
+
+async def news_after(namespace: str, after_version: int, wait_s: float) -> int:
+    """Once the scheduler's books change after ``after_version``, or ``wait_s`` has passed:
+    the version then."""
+    version: int = await _call(
+        namespace, "news_after", after_version, wait_s, timeout_s=wait_s + CALL_TIMEOUT_S
+    )
+    return version
 
 
 async def forget(namespace: str, job_id: str, timeout_s: float = CALL_TIMEOUT_S) -> None:

@@ -524,6 +524,20 @@ class JobSpec(BaseModel):
             )
         return {**data, "workload": COMMAND_WORKLOAD}
 
+    def _check_loop_args(self) -> None:
+        """A package loop written as a script's ``main()`` parses ``hyperparameters.args``
+        as its ``sys.argv``: strings only, as a command's are."""
+        args = self.hyperparameters.get("args")
+        if args is not None and (
+            not isinstance(args, list) or not all(isinstance(a, str) for a in args)
+        ):
+            raise field_error(
+                "JobSpec",
+                "hyperparameters.args",
+                "a loop's arguments (its sys.argv) are a list of strings",
+                args,
+            )
+
     @model_validator(mode="after")
     def _check_workload(self) -> JobSpec:
         if self.command is not None:
@@ -543,6 +557,7 @@ class JobSpec(BaseModel):
                         "function ('trainer.loop:train_loop')",
                         self.workload,
                     )
+                self._check_loop_args()
                 return self
             if not ENTRYPOINT_PATTERN.match(self.workload):
                 raise field_error(

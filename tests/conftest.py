@@ -280,6 +280,11 @@ def end_every_job(timeout_s: float = 60.0) -> list[str]:
         host = None
     if host is not None:
         ray.get([host.close.remote(name) for name in killed])
+    # The test's service is gone: the queued jobs it booked as rows go with it (a service
+    # started over the same cluster would unbook them itself, at its first look).
+    from elastic.cluster.capacity import shared_watcher
+
+    ray.get(shared_watcher(NAMESPACE).hold_rows.remote([]))
     for pg_id, pg in placement_group_table().items():
         if pg["state"] != "REMOVED":
             remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))

@@ -36,19 +36,45 @@ class SchedulerBook:
         # supervisor that looks late still learns why (a later plan says only "keep").
         self.decisions: dict[str, Placement] = {}
         self.placements: dict[str, Placement] = {}
+        # The queued jobs the service booked that no supervisor has taken over yet: a job
+        # waits as a row in the service's store and an entry here, and gets a supervisor
+        # only once it is told to start.
+        self.rows: set[str] = set()
 
     def register(self, demand: Demand, now: float) -> None:
-        """A job asks for workers (again, when its supervisor was re-created: what was
-        measured of it is kept)."""
+        """A job's supervisor asks for workers (again, when the supervisor was re-created:
+        what was measured of the job is kept; or for the first time, for the row it takes
+        over)."""
+        self.rows.discard(demand.job_id)
         old = self.jobs.get(demand.job_id)
         if old is None:
             self.jobs[demand.job_id] = JobRecord(demand, 0, now)
         else:
             old.demand = demand
 
+    def hold_rows(self, demands: Sequence[Demand], now: float) -> bool:
+        """The service's queued jobs that have no supervisor, all of them: each is booked
+        (a job already booked keeps its record), and a row no longer given (cancelled, or
+        failed) is unbooked. True when the books changed."""
+        given = {d.job_id: d for d in demands}
+        changed = False
+        for gone in self.rows - given.keys():
+            changed |= self.unregister(gone)
+        for job_id, demand in given.items():
+            if job_id not in self.jobs:
+                self.jobs[job_id] = JobRecord(demand, 0, now)
+                self.rows.add(job_id)
+                changed = True
+        return changed
+
+    def supervised(self, job_id: str) -> bool:
+        """Whether a supervisor asks for this job's workers (not only the service's row)."""
+        return job_id in self.jobs and job_id not in self.rows
+
     def unregister(self, job_id: str) -> bool:
         self.decisions.pop(job_id, None)
         self.placements.pop(job_id, None)
+        self.rows.discard(job_id)
         return self.jobs.pop(job_id, None) is not None
 
     def observe(self, job_id: str, world_size: int, samples_per_s: float) -> None:

@@ -64,6 +64,18 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class RowDecision:
+    """The scheduler's word on a queued job the service holds as a row."""
+
+    target: Placement | None  # None until the scheduler has planned with it
+    supervised: bool  # its supervisor has taken it over (launched, and asking itself)
+
+    @property
+    def starts(self) -> bool:
+        return not self.supervised and self.target is not None and self.target.size > 0
+
+
+@dataclass(frozen=True)
 class Reservation:
     """Capacity held for one job until its next attempt starts."""
 
@@ -308,6 +320,25 @@ class MembershipWatcher:
         if supervisor is not None:
             self.supervisors[demand.job_id] = supervisor
         self._replan(force=True)
+
+    async def hold_rows(self, demands: list[Demand]) -> tuple[int, dict[str, RowDecision]]:
+        """The service's queued jobs that have no supervisor (every one: see
+        ``SchedulerBook.hold_rows``), and the books' version with each row's decision: a
+        row told to start gets its supervisor from the service, which says why the others
+        wait."""
+        await self._ensure_watching()
+        if self.book.hold_rows(demands, time.time()):
+            self._replan(force=True)
+        return self.current.version, {
+            d.job_id: RowDecision(self.book.target(d.job_id), self.book.supervised(d.job_id))
+            for d in demands
+        }
+
+    async def news_after(self, after_version: int, timeout_s: float) -> int:
+        """The version of the first change after ``after_version``, waiting at most
+        ``timeout_s`` (the current one when nothing changed): what the service's rows wait
+        on between bookings."""
+        return (await self._wait(after_version, timeout_s)).version
 
     async def unregister(self, job_id: str) -> None:
         log.info("scheduler: %s unregisters", job_id)

@@ -11,18 +11,32 @@ Up, from the child:
 - ``{"aborted": bool, "id": n}``: the answer to abort request ``n``.
 
 Down, from the actor: ``{"abort": dropped_for_s, "id": n}`` (a peer was dropped by the
-lighthouse: discard the step in flight), ``{"leave": save}`` (the node is draining) and
-``{"expect_drain": true}``. The child handles them on the thread that reads its pipe, not in
-the loop: an abort must reach a loop blocked in an all-reduce.
+lighthouse: discard the step in flight), ``{"leave": save}`` (the node is draining),
+``{"expect_drain": true}`` and ``{"ping": true}`` every :data:`PING_S`. The child handles
+them on the thread that reads its pipe, not in the loop: an abort must reach a loop blocked
+in an all-reduce.
+
+The pings keep a hung actor from hiding behind its child. The child heartbeats to the
+lighthouse itself, so an actor that is frozen (stopped, or stuck holding its GIL) would stay
+in every quorum while it relays nothing, and its child would soon block on a full pipe with
+its peers waiting on it. A child that hears nothing from its actor for
+:data:`PARENT_SILENT_S` exits instead: its heartbeats stop, the lighthouse drops the
+replica, and the supervisor fences it as it fences any silent replica.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import logging
+import os
+import struct
+import sys
+import termios
 import threading
-from typing import Any
+import time
+from typing import IO, Any
 
 from elastic.train.loop_link import ChildRelay, ParentLink, PipedWorker
 
@@ -31,10 +45,17 @@ log = logging.getLogger(__name__)
 # The supervisor's methods a replica's child may have its actor call.
 CALLS = frozenset({"replica_trained"})
 OUTCOMES = frozenset({"finished", "finished as a replica", "left"})
+# The exit status of a child whose actor went silent.
+PARENT_SILENT_EXIT = 4
 # How long the actor's ``abort_step`` waits for its child's answer. The answer takes
 # milliseconds (two pipe writes and a flag); a child that cannot answer sooner is dying or
 # frozen, and then its step holds no peer anyway.
 ABORT_ANSWER_S = 1.0
+# The actor's pings to its child, and how long the child goes without a word from its actor
+# before it takes the actor for hung. Ten pings' worth: a busy node delays a ping by far
+# less; a hung actor costs its peers this long plus the lighthouse's heartbeat timeout.
+PING_S = 0.2
+PARENT_SILENT_S = 2.0
 
 
 class ReplicaRelay(ChildRelay):
@@ -50,6 +71,14 @@ class ReplicaRelay(ChildRelay):
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[threading.Event, list[bool]]] = {}
         self._waiting_lock = threading.Lock()
+
+    def attach(self, replies: IO[bytes]) -> None:
+        super().attach(replies)
+        threading.Thread(target=self._ping, name="etrain-child-ping", daemon=True).start()
+
+    def _ping(self) -> None:
+        while self.outcome is None and self._answer({"ping": True}):
+            time.sleep(PING_S)
 
     def line(self, raw: bytes) -> None:
         try:
@@ -119,6 +148,31 @@ class ReplicaControl:
         self._lock = threading.Lock()
         self._leave: bool | None = None
         self._expect_drain = False
+        self.heard = time.monotonic()  # the latest word from the actor
+
+    def watch_parent(self, reply_fd: int, silent_s: float = PARENT_SILENT_S) -> None:
+        """Exits the process once the actor has said nothing for ``silent_s``."""
+        threading.Thread(
+            target=self._watch, args=(reply_fd, silent_s), name="etrain-watch-actor", daemon=True
+        ).start()
+
+    def _watch(self, reply_fd: int, silent_s: float) -> None:
+        tick = time.monotonic()
+        while True:
+            time.sleep(PING_S)
+            now = time.monotonic()
+            if now - tick > silent_s / 2 or _unread(reply_fd):
+                # This process was starved itself (its own sleep overran), or the actor's
+                # words wait in the pipe for the reading thread: the actor is not silent.
+                self.heard = max(self.heard, now)
+            tick = now
+            if now - self.heard > silent_s:
+                sys.stderr.write(
+                    f"[elastic-train] this replica's actor has said nothing for {silent_s:.0f} "
+                    "s (hung or stopped): its loop stops, so its peers go on without it\n"
+                )
+                sys.stderr.flush()
+                os._exit(PARENT_SILENT_EXIT)
 
     def attach(self, ctx: Any) -> None:
         with self._lock:
@@ -130,6 +184,9 @@ class ReplicaControl:
                 ctx.leaving.set()
 
     def handle(self, message: dict[str, Any]) -> None:
+        self.heard = time.monotonic()
+        if message.get("ping"):
+            return
         if "abort" in message:
             ctx = self.ctx
             aborted = ctx is not None and bool(ctx.abort.request(float(message["abort"])))
@@ -146,6 +203,15 @@ class ReplicaControl:
                 self._expect_drain = True
                 if self.ctx is not None:
                     self.ctx.timeline.expect_drain()
+
+
+def _unread(fd: int) -> bool:
+    """Whether bytes wait in the pipe ``fd``."""
+    try:
+        waiting = fcntl.ioctl(fd, termios.FIONREAD, struct.pack("i", 0))
+    except OSError:
+        return False
+    return bool(struct.unpack("i", waiting)[0])
 
 
 class ReplicaChildWorker(PipedWorker):

@@ -120,7 +120,7 @@ class InPlaceContext(TrainContext):
     # -- the steps ---------------------------------------------------------------------------
 
     @tracked_steps
-    def batches(
+    def _steps(
         self,
         dataset: Dataset[Any],
         global_batch_size: int,
@@ -137,8 +137,8 @@ class InPlaceContext(TrainContext):
         pin_memory: bool | None = None,
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
-    ) -> Iterator[StepBatch]:
-        """As ``TrainContext.batches``, each step's samples chosen by the quorum that trains
+    ) -> Iterator[StepBatch | None]:
+        """As ``TrainContext._steps``, each step's samples chosen by the quorum that trains
         it. Worker processes (``num_workers``) read a step's samples in parallel once its
         quorum has chosen them, never ahead, and live as long as the loop, whatever
         ``persistent_workers`` says."""
@@ -256,6 +256,8 @@ class InPlaceContext(TrainContext):
                 self.checkpoints.save(self.step)
                 if self.step == last_step:
                     self.checkpoints.wait()
+            if batch.ends_epoch:
+                yield None
 
     def _tell_trained(self) -> None:
         """Its first committed step: the supervisor now counts it a survivor whose training
@@ -367,9 +369,9 @@ class InPlaceContext(TrainContext):
         works = [*buckets.launch_rest(), launch(totals)]
         if not self.abort.wait_all(works, self.manager):
             buckets.renew()  # the abandoned all-reduce keeps the old buffers
-            return None  # a peer of this step is gone: discarded, redone by the next quorum
+            return self._discard(batch)  # a peer of this step is gone
         if not self.manager.should_commit():
-            return None
+            return self._discard(batch)
         self.checkpoints.before_update()  # the hook may write what the snapshot copies
         self._before_step(before_step)
         self.precision.step(optimizer)
@@ -381,6 +383,12 @@ class InPlaceContext(TrainContext):
         self._trained = batch.step
         self._committed = True
         return float(totals[0]) / batch.global_batch
+
+    @staticmethod
+    def _discard(batch: StepBatch) -> None:
+        """A step discarded is redone whole by the next quorum: it ended no epoch, so a
+        loop that returns at ``batch.ends_epoch`` stays for the redo."""
+        batch.ends_epoch = False
 
     def _report(self, last_step: int, samples_per_s: float | None) -> bool:
         """The quorum's rank 0 reports the step. Every replica builds the report, since the

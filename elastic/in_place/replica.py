@@ -21,6 +21,7 @@ from elastic.in_place.manager import (  # noqa: F401  (tests find the first two 
     wait_for_starters,
 )
 from elastic.in_place.members import replica_id
+from elastic.train.current import call_train_loop
 from elastic.train.entrypoint import resolve
 from elastic.train.orphan import die_with_parent
 from elastic.train.worker_config import WorkerConfig
@@ -188,7 +189,7 @@ class Replica:
         ctx = self.ctx = InPlaceContext(config, worker, factory, replica, must_heal, start_together)
         try:
             with forward_output(send):
-                resolve(train_loop)(config, ctx)
+                call_train_loop(resolve(train_loop), config, ctx)
                 ctx.finish_steps()
             ctx.checkpoints.wait()
         except LeftTheQuorum:

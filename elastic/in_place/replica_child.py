@@ -161,6 +161,7 @@ def _install_on_this_node(
 def main(argv: list[str]) -> int:
     """The child: load the loop, build the replica's Manager, run, say how it ended."""
     from elastic.in_place.child_link import ReplicaChildWorker, ReplicaControl
+    from elastic.train.command_env import REPLY_FD_ENV
     from elastic.train.entrypoint import EntrypointError
     from elastic.train.loop_child import CODE_ERROR_EXIT, load
     from elastic.train.loop_link import ParentLink
@@ -168,6 +169,7 @@ def main(argv: list[str]) -> int:
     plan = json.loads(Path(argv[1]).read_text())
     control = ReplicaControl()
     link = control.link = ParentLink.from_environment(control.handle)
+    control.watch_parent(int(os.environ[REPLY_FD_ENV]))
     try:
         train_loop = load(plan["entrypoint"], Path.cwd())
     except EntrypointError as e:
@@ -179,6 +181,7 @@ def main(argv: list[str]) -> int:
 
     from elastic.in_place.context import InPlaceContext, LeftTheQuorum
     from elastic.in_place.manager import START_TOGETHER_S, make_manager, wait_for_starters
+    from elastic.train.current import call_train_loop
     from elastic.train.worker_config import WorkerConfig
 
     config: dict[str, Any] = plan["config"]
@@ -217,7 +220,7 @@ def main(argv: list[str]) -> int:
     control.attach(ctx)
     try:
         try:
-            train_loop(config, ctx)
+            call_train_loop(train_loop, config, ctx)
             ctx.finish_steps()  # a step trained after the loop left ctx.batches
             ctx.checkpoints.wait()
             outcome = "finished" if worker.rank == 0 else "finished as a replica"

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypedDict, TypeVar, Unpack, overload
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ from elastic.checkpoint.parts import (
 )
 from elastic.checkpoint.writer import CheckpointManager
 from elastic.events import EventKind
+from elastic.train.current import call_train_loop
 from elastic.train.distributed import (
     DistributedOptions,
     LocalSGD,
@@ -66,7 +67,12 @@ from elastic.train.micro_batch import (
     per_sample_losses,
     split_batch,
 )
-from elastic.train.process_group import AttemptAbandoned, all_reduce
+from elastic.train.process_group import (
+    AttemptAbandoned,
+    PendingAllReduce,
+    all_reduce,
+    start_all_reduce,
+)
 from elastic.train.sampling import (
     SamplerPosition,
     advance,
@@ -120,6 +126,39 @@ class StepBatch:
     def __post_init__(self) -> None:
         if self.real < 0:
             self.real = len(self.indices)
+
+
+class StepOptions(TypedDict, total=False):
+    """The keyword options of ``ctx.batches`` and ``ctx.loader``: how many steps, the data
+    order's seed, the built-in LR schedule, reports, the sample audit and the DataLoader's
+    settings."""
+
+    epochs: int | None
+    max_steps: int | None
+    seed: int
+    lr_schedule: str
+    warmup_steps: int
+    report_every_steps: int
+    record_samples: bool
+    collate_fn: Callable[[list[Any]], Any] | None
+    num_workers: int
+    pin_memory: bool | None
+    persistent_workers: bool
+    prefetch_factor: int | None
+
+
+class EpochLoader:
+    """``ctx.loader``'s steps, one epoch per ``for``. A loop that leaves an epoch early
+    (``break``) takes it up at its next step: no step is skipped."""
+
+    def __init__(self, steps: Iterator[StepBatch | None]) -> None:
+        self._steps = steps
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        # The steps' generator lives on between epochs: a ``for`` ending here neither
+        # closes it nor reads the next epoch's first batch.
+        while (batch := next(self._steps, None)) is not None:
+            yield batch
 
 
 def total_steps(settings: LoopSettings, dataset_size: int) -> int:
@@ -245,12 +284,14 @@ _Args = ParamSpec("_Args")
 
 
 def tracked_steps(
-    batches: Callable[Concatenate[_Context, _Args], Iterator[StepBatch]],
-) -> Callable[Concatenate[_Context, _Args], Iterator[StepBatch]]:
-    """A context's ``batches``, its generator kept, so that :meth:`TrainContext.finish_steps`
-    can complete the bookkeeping of a step the loop trained and then left."""
+    batches: Callable[Concatenate[_Context, _Args], Iterator[StepBatch | None]],
+) -> Callable[Concatenate[_Context, _Args], Iterator[StepBatch | None]]:
+    """A context's step generator, kept, so that :meth:`TrainContext.finish_steps` can
+    complete the bookkeeping of a step the loop trained and then left."""
 
-    def kept(ctx: _Context, /, *args: _Args.args, **kwargs: _Args.kwargs) -> Iterator[StepBatch]:
+    def kept(
+        ctx: _Context, /, *args: _Args.args, **kwargs: _Args.kwargs
+    ) -> Iterator[StepBatch | None]:
         steps = batches(ctx, *args, **kwargs)
         ctx._open_steps = steps
         return steps
@@ -309,7 +350,7 @@ class TrainContext:
         # Set on every rank alike (by ``evaluate``, a collective): report at this step.
         self._report_now = False
         self._trained: int | None = None
-        self._open_steps: Iterator[StepBatch] | None = None  # the latest ``batches``
+        self._open_steps: Iterator[StepBatch | None] | None = None  # the latest steps
         # The last step's loss sum and right answers over its global batch (all workers).
         self._totals = torch.zeros(2, dtype=torch.float64)
         self._counts_accuracy = True  # false after a step of the loop's own forward pass
@@ -405,10 +446,93 @@ class TrainContext:
         )
         return scheduler
 
+    @overload
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[nn.Module, torch.optim.Optimizer]: ...
+
+    @overload
+    def prepare(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]: ...
+
+    def prepare(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> tuple[Any, ...]:
+        """``prepare_model``, ``prepare_optimizer`` and ``prepare_scheduler`` in one call, on
+        parts a script built as it always did (the optimizer on the model's parameters, the
+        scheduler on the optimizer): ``model, optimizer = ctx.prepare(model, optimizer)``."""
+        held = [id(p) for group in optimizer.param_groups for p in group["params"]]
+        if not set(held) <= {id(p) for p in model.parameters()}:
+            raise ValueError("ctx.prepare: the optimizer must be built on the model's parameters")
+        prepared = self.prepare_model(model)
+        if not set(held) <= {id(p) for p in prepared.parameters()}:
+            # FSDP puts sharded parameters in the place of the model's own.
+            raise ValueError(
+                f"ctx.prepare: with strategy {self.options.strategy!r} the model's parameters "
+                "are replaced when it is wrapped: build the optimizer on the parameters of "
+                "ctx.prepare_model(model), then call ctx.prepare_optimizer(optimizer)"
+            )
+        self.prepare_optimizer(optimizer)
+        if scheduler is None:
+            return prepared, optimizer
+        return prepared, optimizer, self.prepare_scheduler(scheduler)
+
     # -- the steps -----------------------------------------------------------------------
 
-    @tracked_steps
     def batches(
+        self, dataset: Dataset[Any], global_batch_size: int, **options: Unpack[StepOptions]
+    ) -> Iterator[StepBatch]:
+        """One ``StepBatch`` per optimizer step, from where the checkpoint left off to the
+        first of ``epochs`` and ``max_steps``. Between steps it reports metrics, saves
+        checkpoints every ``checkpoint.every_steps`` and, when the job is to grow, raises
+        ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch.
+
+        ``num_workers``, ``pin_memory``, ``persistent_workers`` and ``prefetch_factor`` are
+        the DataLoader's; the samples, their order and their per-sample random draws
+        (``PerSampleRandom``) are the same whatever they are."""
+        steps = self._steps(dataset, global_batch_size, **options)
+        return (batch for batch in steps if batch is not None)
+
+    def loader(
+        self,
+        data: Dataset[Any] | DataLoader[Any],
+        global_batch_size: int | None = None,
+        **options: Unpack[StepOptions],
+    ) -> EpochLoader:
+        """The steps of ``batches``, iterated as a DataLoader is: each ``for`` over the
+        loader is one epoch (after a restore, the rest of the epoch it stopped in), so an
+        epoch function keeps its ``for batch in loader:``.
+
+        ``data`` is a dataset, or the script's own DataLoader: its dataset, ``batch_size``
+        (the step's global batch, as in a single-process script), ``collate_fn`` and
+        worker settings are taken, and the options given here win. The order is the
+        context's, shuffled by ``seed``, whatever the DataLoader's sampler. Each sample's
+        random draws (augmentations) come from its own seed, (``seed``, epoch, index), as
+        with ``PerSampleRandom``: the same at any world size."""
+        if isinstance(data, DataLoader):
+            options = {**_loader_options(data), **options}
+            dataset: Dataset[Any] = data.dataset
+            global_batch_size = global_batch_size or data.batch_size
+        else:
+            dataset = data
+        if global_batch_size is None:
+            raise ValueError(
+                "ctx.loader needs the step's global batch size: pass it, or a DataLoader "
+                "with a batch_size"
+            )
+        if not isinstance(dataset, PerSampleRandom):
+            dataset = PerSampleRandom(dataset, options.get("seed", 0))
+        return EpochLoader(self._steps(dataset, global_batch_size, **options))
+
+    @tracked_steps
+    def _steps(
         self,
         dataset: Dataset[Any],
         global_batch_size: int,
@@ -425,15 +549,9 @@ class TrainContext:
         pin_memory: bool | None = None,
         persistent_workers: bool = False,
         prefetch_factor: int | None = None,
-    ) -> Iterator[StepBatch]:
-        """One ``StepBatch`` per optimizer step, from where the checkpoint left off to the
-        first of ``epochs`` and ``max_steps``. Between steps it reports metrics, saves
-        checkpoints every ``checkpoint.every_steps`` and, when the job is to grow, raises
-        ``PausedForResize`` right after a checkpoint. Call ``train_step`` on every batch.
-
-        ``num_workers``, ``pin_memory``, ``persistent_workers`` and ``prefetch_factor`` are
-        the DataLoader's; the samples, their order and their per-sample random draws
-        (``PerSampleRandom``) are the same whatever they are."""
+    ) -> Iterator[StepBatch | None]:
+        """The steps of ``batches``, each step's bookkeeping done when the loop asks for
+        the next; None after the bookkeeping of a step that ended its epoch."""
         settings = LoopSettings(
             global_batch_size,
             seed,
@@ -517,6 +635,8 @@ class TrainContext:
                 draining = False
             if draining or self.step % self.worker.every_steps == 0 or self.step == last_step:
                 self._checkpoint(last_step)
+            if batch.ends_epoch:
+                yield None
 
     def finish_steps(self) -> None:
         """After the loop returned: a step it trained and then left ``ctx.batches`` on (a
@@ -602,6 +722,10 @@ class TrainContext:
         correct = torch.zeros((), device=self.device, dtype=torch.float64)
         passes = passes_per_step(batch.global_batch, self.world_size, self._micro)
         slices = micro_batch_plan(batch.real, self._micro, passes)
+        # The step's loss over the global batch, for the loop and the report alike: on Gloo
+        # it is summed across workers while the last backward pass runs (it is known once
+        # that pass's forward is done), rather than in a round trip of its own after it.
+        totals_sum: PendingAllReduce | None = None
         for n, (a, b) in enumerate(slices):
             padding = b == a
             if padding:
@@ -620,11 +744,16 @@ class TrainContext:
                     if right is not None:
                         correct += right
                     loss_sum += losses.detach().sum()
+                if n == len(slices) - 1 and self.world_size > 1 and self.device.type == "cpu":
+                    totals = torch.stack([loss_sum, correct])
+                    totals_sum = start_all_reduce(totals, self.worker.abandoned)
                 self.precision.backward(loss)
-        totals = torch.stack([loss_sum, correct])
-        if self.world_size > 1:
-            # The step's loss over the global batch, for the loop and the report alike.
-            all_reduce(totals, self.worker.abandoned)
+        if totals_sum is None:
+            totals = torch.stack([loss_sum, correct])
+            if self.world_size > 1:
+                totals_sum = start_all_reduce(totals, self.worker.abandoned)
+        if totals_sum is not None:
+            totals_sum.wait()
         self.checkpoints.before_update()  # the hook may write what the snapshot copies
         self._before_step(before_step)
         self.precision.step(optimizer)
@@ -822,6 +951,19 @@ class TrainContext:
             raise PausedForResize(self.step)
 
 
+def _loader_options(loader: DataLoader[Any]) -> StepOptions:
+    """What a script's DataLoader says of how its samples are loaded."""
+    options = StepOptions(
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+    )
+    if loader.num_workers > 0:
+        options["persistent_workers"] = loader.persistent_workers
+        options["prefetch_factor"] = loader.prefetch_factor
+    return options
+
+
 def _detached_generator() -> torch.Generator:
     """A generator of the loader's own. Each ``iter(DataLoader)`` draws a seed for its
     workers from its generator, by default the process's: a resumed run, which builds its
@@ -831,14 +973,15 @@ def _detached_generator() -> torch.Generator:
 
 
 def run_with_context(
-    train_loop: Callable[[dict[str, Any], TrainContext], Any],
+    train_loop: Callable[..., Any],
     config: dict[str, Any],
     worker: WorkerContext | None = None,
 ) -> None:
-    """Run a ``train_loop(config, ctx)``; a pause for a resize ends it normally."""
+    """Run a loop (``train_loop(config, ctx)``, or a ``main()`` of no arguments: see
+    ``elastic.train.current``); a pause for a resize ends it normally."""
     ctx = TrainContext(config, worker or WorkerContext.from_config(config))
     try:
-        train_loop(config, ctx)
+        call_train_loop(train_loop, config, ctx)
         ctx.finish_steps()
         # A loop that left ``ctx.batches`` early: its last checkpoint is still published.
         ctx.checkpoints.wait()
@@ -864,6 +1007,7 @@ def run_with_context(
 
 
 __all__ = [
+    "EpochLoader",
     "MicroBatch",
     "PausedForResize",
     "PerSampleRandom",

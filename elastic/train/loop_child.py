@@ -26,6 +26,7 @@ CODE_ERROR_EXIT = 3
 def load(entrypoint: str, package: Path) -> Any:
     """The function an entrypoint names in the package: ``train.py:train_loop`` (a file of
     the package) or ``trainer.loop:train_loop`` (a module of it)."""
+    from elastic.train.current import arity_problem
     from elastic.train.entrypoint import EntrypointError
 
     where, _, name = entrypoint.rpartition(":")
@@ -45,11 +46,15 @@ def load(entrypoint: str, package: Path) -> Any:
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-        return getattr(module, name)
+        train_loop = getattr(module, name)
     except EntrypointError:
         raise
     except (ImportError, AttributeError, SyntaxError) as e:
         raise EntrypointError(f"cannot load {entrypoint}: {type(e).__name__}: {e}") from e
+    problem = arity_problem(train_loop)
+    if problem is not None:
+        raise EntrypointError(f"cannot run {entrypoint}: {problem}")
+    return train_loop
 
 
 def _device() -> Any:

@@ -208,16 +208,18 @@ class ChildRelay:
         self._replies = replies
         self._attached.set()
 
-    def _answer(self, message: dict[str, Any]) -> None:
+    def _answer(self, message: dict[str, Any]) -> bool:
+        """Whether the message went down the pipe (not when the child is gone)."""
         self._attached.wait(ATTACH_WAIT_S)
         with self._lock:
             if self._replies is None:
-                return
+                return False
             try:
                 self._replies.write(encode(message))
                 self._replies.flush()
             except (BrokenPipeError, ValueError, OSError):  # the child is gone
-                pass
+                return False
+            return True
 
     def line(self, raw: bytes) -> None:
         try:

@@ -41,19 +41,41 @@ def all_reduce(tensor: torch.Tensor, abandoned: threading.Event, group: Any = No
     anything in its process holds its group, and DDP's logger holds it in C++ for the
     process's life: a peer waiting on it would wait out the collective timeout. Tensors on
     an accelerator go the plain way, since NCCL's futures complete on the stream."""
+    start_all_reduce(tensor, abandoned, group).wait()
+
+
+class PendingAllReduce:
+    """An all-reduce under way: :meth:`wait` until it is done, or the attempt abandoned."""
+
+    def __init__(self, work: Any, abandoned: threading.Event) -> None:
+        self.work, self.abandoned = work, abandoned
+        self.done = threading.Event()
+        if work is not None:
+            work.get_future().add_done_callback(lambda _: self.done.set())
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        while not self.done.wait(ABANDON_POLL_S):
+            if self.abandoned.is_set():
+                raise AttemptAbandoned(
+                    "the attempt failed elsewhere: a collective was left waiting"
+                )
+        self.work.wait()  # raises the collective's own error, if it failed
+
+
+def start_all_reduce(
+    tensor: torch.Tensor, abandoned: threading.Event, group: Any = None
+) -> PendingAllReduce:
+    """:func:`all_reduce` started now and waited for later, so that it overlaps other work
+    (a step's loss, summed across workers while its backward pass runs). Collectives run in
+    the order they are started, which must be the same on every rank."""
     if abandoned.is_set():
         raise AttemptAbandoned("the attempt failed elsewhere")
     if tensor.device.type != "cpu":
         dist.all_reduce(tensor, group=group)
-        return
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    assert work is not None
-    done = threading.Event()
-    work.get_future().add_done_callback(lambda _: done.set())
-    while not done.wait(ABANDON_POLL_S):
-        if abandoned.is_set():
-            raise AttemptAbandoned("the attempt failed elsewhere: a collective was left waiting")
-    work.wait()  # raises the collective's own error, if it failed
+        return PendingAllReduce(None, abandoned)
+    return PendingAllReduce(dist.all_reduce(tensor, group=group, async_op=True), abandoned)
 
 
 def bound_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> Any:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn, optim
 from torchvision import datasets, transforms
 
+from elastic.train import get_context
+
 
 class Net(nn.Module):
     def __init__(self):
@@ -33,7 +35,7 @@ class Net(nn.Module):
 def train(args, model, ctx, train_loader, optimizer, epoch):
     model.train()
     lr = optimizer.param_groups[0]["lr"]
-    for batch_idx, batch in enumerate(train_loader):  # this epoch's steps
+    for batch_idx, batch in enumerate(train_loader):
         loss = ctx.train_step(
             batch, forward=lambda m: F.nll_loss(model(m.inputs), m.targets, reduction="none")
         )
@@ -42,8 +44,6 @@ def train(args, model, ctx, train_loader, optimizer, epoch):
                 f"Train Epoch: {epoch} [{batch_idx * args.batch_size}/{args.train_size}]"
                 f"\tlr: {lr:.6f}\tLoss: {loss:.6f}"
             )
-        if batch.ends_epoch:
-            return
 
 
 def test(model, device, test_loader):
@@ -79,8 +79,9 @@ def make_parser():
     return parser
 
 
-def train_loop(config, ctx):
-    args = make_parser().parse_args(config["hyperparameters"].get("args", []))
+def main():
+    args = make_parser().parse_args()
+    ctx = get_context()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
 
@@ -91,11 +92,13 @@ def train_loop(config, ctx):
     dataset2 = datasets.MNIST(args.data, train=False, download=False, transform=transform)
     args.train_size = len(dataset1)
     test_loader = torch.utils.data.DataLoader(dataset2, batch_size=args.test_batch_size)
-    train_loader = ctx.batches(dataset1, args.batch_size, epochs=args.epochs, seed=args.seed)
+    train_loader = torch.utils.data.DataLoader(dataset1, batch_size=args.batch_size, shuffle=True)
+    train_loader = ctx.loader(train_loader, epochs=args.epochs, seed=args.seed)
 
-    model = ctx.prepare_model(Net())
-    optimizer = ctx.prepare_optimizer(optim.Adadelta(model.parameters(), lr=args.lr))
-    scheduler = ctx.prepare_scheduler(optim.lr_scheduler.StepLR(optimizer, 1, gamma=args.gamma))
+    model = Net().to(device)
+    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
+    model, optimizer, scheduler = ctx.prepare(model, optimizer, scheduler)
     for epoch in range(ctx.position.epoch + 1, args.epochs + 1):  # resumes mid-way
         train(args, model, ctx, train_loader, optimizer, epoch)
         test(model, device, test_loader)
@@ -107,4 +110,4 @@ def train_loop(config, ctx):
 
 
 if __name__ == "__main__":
-    print("an entrypoint: loop.py:train_loop (examples/README.md)")
+    main()

@@ -15,7 +15,7 @@ from torch.optim import SGD
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from elastic.train.context import PerSampleRandom
+from elastic.train import get_context
 
 
 class SyntheticImages(Dataset):
@@ -75,7 +75,7 @@ class ResNet(nn.Module):
 
 def train_one_epoch(args, model, ctx, loader, optimizer, epoch):
     model.train()
-    for i, batch in enumerate(loader):  # this epoch's steps
+    for i, batch in enumerate(loader):
         loss = ctx.train_step(
             batch,
             forward=lambda m: F.cross_entropy(model(m.inputs), m.targets, reduction="none"),
@@ -83,8 +83,6 @@ def train_one_epoch(args, model, ctx, loader, optimizer, epoch):
         )
         if i % args.print_freq == 0:
             print(f"epoch {epoch} step {i} loss {loss:.4f}")
-        if batch.ends_epoch:
-            return
 
 
 def evaluate(model, device, loader, epoch):
@@ -114,20 +112,22 @@ def make_parser():
     return parser
 
 
-def train_loop(config, ctx):
-    args = make_parser().parse_args(config["hyperparameters"].get("args", []))
+def main():
+    args = make_parser().parse_args()
+    ctx = get_context()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
 
     augment = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()])
     train_set = SyntheticImages(args.train_size, args.seed, split=0, transform=augment)
-    train_set = PerSampleRandom(train_set, args.seed)  # the same crops at any world size
     test_set = SyntheticImages(args.test_size, args.seed, split=1)
     test_loader = DataLoader(test_set, batch_size=256, num_workers=args.workers)
-    train_loader = ctx.batches(train_set, args.batch_size, epochs=args.epochs, num_workers=2)
+    train_loader = DataLoader(train_set, args.batch_size, shuffle=True, num_workers=args.workers)
+    train_loader = ctx.loader(train_loader, epochs=args.epochs, seed=args.seed)
 
-    model = ctx.prepare_model(ResNet(args.width))
-    optimizer = ctx.prepare_optimizer(SGD(model.parameters(), lr=args.lr, momentum=args.momentum))
+    model = ResNet(args.width).to(device)
+    optimizer = SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    model, optimizer = ctx.prepare(model, optimizer)
     for epoch in range(ctx.position.epoch, args.epochs):  # resumes mid-way
         train_one_epoch(args, model, ctx, train_loader, optimizer, epoch)
         evaluate(model, device, test_loader, epoch)
@@ -135,4 +135,4 @@ def train_loop(config, ctx):
 
 
 if __name__ == "__main__":
-    print("an entrypoint: loop.py:train_loop (examples/README.md)")
+    main()

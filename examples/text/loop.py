@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from elastic.train import get_context
+
 TOPICS = {
     0: "goal match team score league coach player season striker keeper",
     1: "market price stock bank trade profit share investor rate fund",
@@ -109,8 +111,9 @@ def make_parser():
     return parser
 
 
-def train_loop(config, ctx):
-    args = make_parser().parse_args(config["hyperparameters"].get("args", []))
+def main():
+    args = make_parser().parse_args()
+    ctx = get_context()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
 
@@ -118,30 +121,29 @@ def train_loop(config, ctx):
     train_set = TextDataset(synthetic_corpus(args.train_size, args.seed), tokenizer)
     eval_set = TextDataset(synthetic_corpus(args.eval_size, args.seed + 1), tokenizer)
     eval_loader = DataLoader(eval_set, batch_size=128)
-    train_loader = ctx.batches(train_set, args.batch_size, epochs=args.epochs, seed=args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+    train_loader = ctx.loader(train_loader, epochs=args.epochs, seed=args.seed)
 
-    model = ctx.prepare_model(MeanPoolClassifier(tokenizer.vocab_size, args.dim, len(TOPICS)))
+    model = MeanPoolClassifier(tokenizer.vocab_size, args.dim, len(TOPICS)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), args.lr, weight_decay=args.weight_decay)
-    ctx.prepare_optimizer(optimizer)
+    model, optimizer = ctx.prepare(model, optimizer)
     model.train()
     global_step = ctx.step  # resumes mid-way
+
+    def forward(micro):  # a micro-batch of the step, its dict in micro.inputs
+        batch = micro.inputs
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return F.cross_entropy(out.logits, batch["labels"], reduction="none")
+
     for epoch in range(ctx.position.epoch, args.epochs):
-        for batch in train_loader:  # this epoch's steps (StepBatch: a dict in batch.inputs)
-
-            def forward(micro):
-                batch = micro.inputs
-                out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                return F.cross_entropy(out.logits, batch["labels"], reduction="none")
-
+        for batch in train_loader:
             loss = ctx.train_step(batch, forward=forward)
             global_step += 1
             if global_step % args.logging_steps == 0:
                 print(f"step {global_step} epoch {epoch} loss {loss:.4f}")
-            if batch.ends_epoch:
-                break
         print(f"epoch {epoch} eval_accuracy {evaluate(model, eval_loader, device):.4f}")
     print(f"Done: {global_step} steps")
 
 
 if __name__ == "__main__":
-    print("an entrypoint: loop.py:train_loop (examples/README.md)")
+    main()

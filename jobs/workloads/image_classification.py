@@ -105,10 +105,10 @@ def image_transforms(
 
 
 def augmentations(hp: ImageClassificationHyperparameters) -> list[Any]:
-    from torchvision.transforms import v2
-
     if hp.augmentation == "none":
         return []
+    from torchvision.transforms import v2
+
     size = hp.image_size
     steps: list[Any] = [v2.RandomCrop(size, padding=max(1, size // 8), padding_mode="reflect")]
     if hp.augmentation == "crop_flip":
@@ -157,17 +157,23 @@ def build_datasets(
     return train, held_out
 
 
+def _compose(steps: list[Any]) -> Any:
+    from torchvision.transforms import v2
+
+    return v2.Compose(steps)
+
+
 def _datasets(hp: ImageClassificationHyperparameters) -> tuple[Dataset[Any], Dataset[Any] | None]:
     if hp.dataset == "synthetic":
-        from torchvision.transforms import v2
-
+        # Without augmentations nothing of torchvision is needed: its import is a second
+        # of each new worker's start, before its first step.
         steps = augmentations(hp)
         train = SyntheticImages(
             hp.synthetic_samples,
             hp.image_size,
             hp.num_classes,
             hp.seed,
-            transform=v2.Compose(steps) if steps else None,
+            transform=_compose(steps) if steps else None,
         )
         held_out = SyntheticImages(
             hp.synthetic_eval_samples,

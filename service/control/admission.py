@@ -75,6 +75,16 @@ class Admission:
         """The package a command job names is one of its owner's (another's is unknown)."""
         if spec.code is None:
             return
+        if spec.runs_package_loop and is_object_uri(self.settings.resolved_checkpoint_dir):
+            # The loop's context writes its checkpoints from the confined child, which is
+            # given none of the store's credentials (docs/security.md).
+            raise SpecRefused(
+                "code",
+                "a package's loop cannot save its checkpoints here: it runs in a confined "
+                "process that holds no credentials for this service's checkpoint bucket "
+                f"({self.settings.resolved_checkpoint_dir}); run the script as a command "
+                "job, or use a service whose ETRAIN_CHECKPOINT_DIR is a shared filesystem",
+            )
         store = CodeStore(self.settings.resolved_checkpoint_dir)
         if not store.exists(owner, spec.code):
             raise SpecRefused(

@@ -15,6 +15,7 @@ from service.control.admission import Admission, fingerprint
 from service.control.book import JobBook
 from service.control.maintenance import Maintenance
 from service.control.pump import CALL_TIMEOUT_S, EventPump
+from service.control.queued_rows import QueuedRows
 from service.control.records import Records
 from service.control.supervisors import Supervisors
 from service.errors import IdempotencyKeyReused, JobAlreadyEnded, SubmissionInProgress
@@ -40,6 +41,9 @@ class JobControl:
         self.admission = Admission(settings, store, self.cluster)
         self.supervisors = Supervisors(settings, store, self.book, self.records)
         self.pump = EventPump(self.book, self.records, self.supervisors)
+        self.rows = QueuedRows(
+            settings.ray_namespace, store, self.book, self.records, self.supervisors
+        )
         self.maintenance = Maintenance(settings, store)
         self._admitting: dict[str, asyncio.Lock] = {}  # owner -> one admission at a time
         self._tasks: list[asyncio.Task[None]] = []
@@ -86,9 +90,10 @@ class JobControl:
                 idempotency_key,
             )
         self.records.announce("created", job)
-        # The job is stored: it is launched even if this process dies now (the pump
-        # launches every queued job it finds without a supervisor).
-        self.request_launch(job.id)
+        # The job is stored: it waits as a row, booked with the cluster's scheduler now (or
+        # by the next service process, if this one dies first), and gets a supervisor when
+        # the scheduler tells it to start.
+        self.rows.wake()
         return job
 
     def request_launch(self, job_id: str) -> None:
@@ -107,6 +112,7 @@ class JobControl:
             )
             if handle is None:
                 await self.supervisors.end_without_supervisor(job_id, JobState.CANCELLED, reason)
+                self.rows.wake()  # off the scheduler's books now
         if handle is not None:
             try:
                 await asyncio.wait_for(handle.cancel.remote(reason), CALL_TIMEOUT_S)
@@ -132,6 +138,7 @@ class JobControl:
         self._tasks = [
             loop.create_task(self._run()),
             loop.create_task(self.supervisors.launch_queued()),
+            loop.create_task(self.rows.run()),
             loop.create_task(self.cluster.keep_fresh()),
             loop.create_task(self.maintenance.keep_quotas_pushed()),
         ]
@@ -148,15 +155,17 @@ class JobControl:
         purged_at: float | None = None
         while True:
             try:
-                jobs = await asyncio.to_thread(self.store.active_jobs)
+                # A queued job with no supervisor has no events but the rows' own.
+                jobs = await asyncio.to_thread(self.store.active_jobs, rows=False)
+                followed = [j.id for j in jobs] + self.rows.with_supervisors()
                 # One job's failure to sync (an event its store fold refused) is that job's:
                 # the others' events, and the overtime checks below, go on.
                 synced = await asyncio.gather(
-                    *(self.pump.sync(j.id) for j in jobs), return_exceptions=True
+                    *(self.pump.sync(job_id) for job_id in followed), return_exceptions=True
                 )
-                for job, outcome in zip(jobs, synced, strict=True):
+                for job_id, outcome in zip(followed, synced, strict=True):
                     if isinstance(outcome, Exception):
-                        log.error("syncing job %s failed", job.id, exc_info=outcome)
+                        log.error("syncing job %s failed", job_id, exc_info=outcome)
                 for job_id, why in await self.maintenance.overtime(jobs):
                     with contextlib.suppress(JobAlreadyEnded):  # it ended meanwhile
                         await self.cancel(job_id, why)

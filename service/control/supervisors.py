@@ -1,7 +1,7 @@
-"""Each job's supervisor, as the service sees it: launched in the background after the
-submission's answer, found again after a restart of the service, re-created when it died,
-and stopped when its job has ended. When no supervisor can write a job's log any more, the
-service writes the job's end itself."""
+"""Each job's supervisor, as the service sees it: launched in the background once the
+cluster's scheduler tells the queued job to start (``queued_rows.py``), found again after a
+restart of the service, re-created when it died, and stopped when its job has ended. When
+no supervisor can write a job's log any more, the service writes the job's end itself."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ LAUNCH_READY_TIMEOUT_S = 30.0
 class Supervisors:
     def __init__(self, settings: Settings, store: Store, book: JobBook, records: Records) -> None:
         self.settings, self.store, self.book, self.records = settings, store, book, records
-        # Submissions answer before their supervisor starts: ``launch_queued`` starts the
-        # queued ones in order, one at a time.
+        # The jobs the scheduler told to start get their supervisors from ``launch_queued``,
+        # in order, one at a time.
         self._launches: asyncio.Queue[str] = asyncio.Queue()
         self._to_launch: set[str] = set()
 
@@ -46,14 +46,15 @@ class Supervisors:
 
     def request_launch(self, job_id: str) -> None:
         """Start the stored, queued job's supervisor in the background (once, however often
-        asked); a launch that fails fails the job, with the reason in its event log."""
+        asked: the rows ask on every word of the scheduler until it runs); a launch that
+        fails fails the job, with the reason in its event log."""
         if job_id not in self._to_launch:
             self._to_launch.add(job_id)
             self._launches.put_nowait(job_id)
 
     async def launch_queued(self) -> None:
-        """Start the supervisors of submitted jobs, oldest first, one at a time, each waited
-        for until it answers. Starting one is a new Ray worker process: a burst of
+        """Start the supervisors of the jobs told to start, in the order asked, one at a
+        time, each waited for until it answers. Starting one is a new Ray worker process: a burst of
         submissions started all at once took every core of a small head node from the API
         (bench/api_load.py), and a job cancelled while it waits here is never started."""
         while True:
@@ -122,10 +123,9 @@ class Supervisors:
 
     async def _missing(self, job: JobRow) -> None:
         if job.state == JobState.QUEUED.value and job.started_at is None:
-            # Submitted, not launched yet: waiting for the launcher, or stored by a process
-            # that stopped before it launched it. (A job that ran and was preempted back to
-            # the queue had a supervisor: it is re-created like a running job's.)
-            self.request_launch(job.id)
+            # A row: launched when the scheduler tells it to start (service/control/
+            # queued_rows.py). A job that ran and was preempted back to the queue had a
+            # supervisor: it is re-created like a running job's.
             return
         first = self.book.missing_since.setdefault(job.id, time.monotonic())
         if time.monotonic() - first < MISSING_GRACE_S:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends
 
@@ -24,7 +24,6 @@ from service.schemas import (
     Quota,
     RunningEntry,
 )
-from service.store import JobRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -90,22 +89,18 @@ async def get_queue(services: ServicesDep, caller: CallerDep) -> QueueOut:
             503, "Scheduler not answering", f"the cluster's scheduler did not answer: {e}"
         ) from e
     ids = [e["job_id"] for e in [*view.get("queue", []), *view.get("running", [])]]
-    rows = await asyncio.to_thread(_rows, services.store, ids)
+    rows = await asyncio.to_thread(services.store.names_and_states, ids)
     return visible_queue(view, caller, rows)
 
 
-def _rows(store: Store, ids: list[str]) -> dict[str, JobRow]:
-    """The store's rows of the jobs the scheduler names: the active ones in one query, any
-    other (ended since the scheduler last heard) one by one."""
-    rows = {j.id: j for j in store.active_jobs()}
-    for job_id in set(ids) - set(rows):
-        row = store.get_job(job_id)
-        if row is not None:
-            rows[job_id] = row
-    return rows
+class NameAndState(Protocol):
+    name: str
+    state: str
 
 
-def visible_queue(view: Mapping[str, Any], caller: Caller, rows: Mapping[str, JobRow]) -> QueueOut:
+def visible_queue(
+    view: Mapping[str, Any], caller: Caller, rows: Mapping[str, NameAndState]
+) -> QueueOut:
     """The scheduler's ``queue()`` as ``caller`` may see it, with each job's name and state
     from the store. Another user's entry keeps what says where the caller stands (position,
     priority, sizes) and loses what names it: its job, owner, state and reason (a reason

@@ -31,6 +31,7 @@ from elastic_train import (
     NotFound,
 )
 from elastic_train.checkpoint_download import unpack
+from elastic_train.errors import InvalidRequest
 from jobs.workloads.image_classification import build_model
 from jobs.workloads.image_classification_params import ImageClassificationHyperparameters
 from tests.conftest import (
@@ -41,6 +42,7 @@ from tests.conftest import (
     small_job,
     wait_until_ended,
 )
+from tests.integration.test_package_loops import LOOP_DIR
 from tests.s3_server import S3Server, s3_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,6 +265,12 @@ def test_a_checkpoint_in_a_bucket_downloads_the_same_way(
             where = client.job(job["id"]).download_checkpoint(into=tmp_path / "models")
         r = api.get(f"/v1/jobs/{job['id']}/checkpoints/10/download")
         assert r.status_code == 200
+        # A package's loop would write its checkpoints from a child holding no credentials
+        # for the bucket: refused at submission, not failed at its first checkpoint.
+        with Client(server.url, TOKEN) as client, pytest.raises(InvalidRequest) as refused:
+            client.submit({"name": "loop", "entrypoint": "train.py:train_loop"}, code=LOOP_DIR)
+        assert refused.value.status == 422
+        assert "holds no credentials for this service's checkpoint bucket" in str(refused.value)
     assert where == tmp_path / "models" / f"{job['id']}-step-10"
     prefix = f"etrain/{job['id']}/step_0000000010/"
     keys = s3.keys(bucket, prefix)

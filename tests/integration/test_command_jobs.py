@@ -27,6 +27,7 @@ from tests.conftest import (
     create_user_token,
     make_settings,
     small_job,
+    state_address,
     wait_for,
     wait_until_ended,
 )
@@ -153,7 +154,13 @@ def test_a_torchrun_script_survives_a_node_loss_and_grows_back_from_its_own_chec
 
 
 def _raylet_pid() -> int:
-    found = subprocess.run(["pgrep", "-x", "raylet"], capture_output=True, text=True)
+    """The head raylet of this test's cluster, the oldest one on its GCS: a raylet of any
+    cluster would do for the probe, but the other pytest worker's come and go."""
+    found = subprocess.run(
+        ["pgrep", "-o", "-f", f"raylet .*--gcs-address={state_address()}"],
+        capture_output=True,
+        text=True,
+    )
     return int(found.stdout.split()[0])
 
 

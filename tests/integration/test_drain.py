@@ -21,6 +21,7 @@ import pytest
 from elastic.job_state import TERMINAL_STATES
 from tests.conftest import (
     POOL_SIZE,
+    TOKEN,
     ClusterPool,
     LiveServer,
     all_events,
@@ -182,19 +183,41 @@ def test_a_drained_node_is_left_at_the_next_step_with_no_step_redone(
         ray_cluster.restore_pool()
 
 
+def package_loop_over_the_pool() -> dict[str, Any]:
+    """The package's script-style loop (tests/workloads/package_loop/script.py), in place,
+    for as long as the test lets it run."""
+    spec = long_job_over_the_pool(
+        entrypoint="script.py:main",
+        hyperparameters={"args": ["--epochs", "100000", "--pace", "0.02"]},
+        fault_tolerance="in_place",
+    )
+    del spec["workload"]
+    return spec
+
+
+@pytest.mark.parametrize("loop", ["built-in", "package"])
 def test_in_place_a_drained_node_s_replica_leaves_and_the_others_train_on(
-    ray_cluster: ClusterPool, tmp_path: Path
+    ray_cluster: ClusterPool, tmp_path: Path, loop: str
 ) -> None:
+    """A built-in loop, or a package's loop run by a confined child of each replica (the
+    actor passes the drain down to it)."""
     import ray
+
+    from elastic_train import Client
+    from tests.integration.test_package_loops import LOOP_DIR
 
     ray_cluster.restore_pool()
     assert sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) == POOL_SIZE
-    spec = long_job_over_the_pool()
+    spec = long_job_over_the_pool() if loop == "built-in" else package_loop_over_the_pool()
     victim = None
     try:
         with LiveServer(make_settings(tmp_path)) as live:
             api = live.client()
-            job = api.post("/v1/jobs", json=spec).json()
+            if loop == "built-in":
+                job = api.post("/v1/jobs", json=spec).json()
+            else:
+                with Client(live.url, TOKEN) as client:
+                    job = api.get(f"/v1/jobs/{client.submit(spec, code=LOOP_DIR).id}").json()
             jid = job["id"]
             assert job["spec"]["fault_tolerance"] == "in_place"  # the default for this job
             wait_for(

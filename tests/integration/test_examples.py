@@ -46,7 +46,7 @@ def command(*args: str) -> dict[str, Any]:
 
 def entrypoint(*args: str) -> dict[str, Any]:
     return {
-        "entrypoint": "loop.py:train_loop",
+        "entrypoint": "loop.py:main",
         "hyperparameters": {"args": list(args)},
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 100},

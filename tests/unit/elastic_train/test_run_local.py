@@ -3,15 +3,17 @@ console script), its processes real DDP on Gloo over loopback."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
-from elastic_train.run_local import environments
+from elastic_train.run_local import RunLocalError, environments
 
 ROOT = Path(__file__).resolve().parents[3]
 ETRAIN = str(Path(sys.executable).parent / "etrain")
@@ -28,6 +30,22 @@ def test_each_local_worker_gets_torchruns_variables_for_one_node() -> None:
     assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs} == {("127.0.0.1", "29400")}
     assert {e["ETRAIN_CHECKPOINT_DIR"] for e in envs} == {"/ck"}
     assert {e["PATH"] for e in envs} == {"/bin"}
+
+
+def test_a_tensorflow_job_s_local_workers_get_tf_config_each_on_its_own_port() -> None:
+    envs = environments(2, {}, "/ck", 29400, framework="tensorflow")
+    configs = [json.loads(e["TF_CONFIG"]) for e in envs]
+    assert [c["task"] for c in configs] == [
+        {"type": "worker", "index": 0},
+        {"type": "worker", "index": 1},
+    ]
+    (cluster,) = {json.dumps(c["cluster"]) for c in configs}  # the same for both
+    hosts = json.loads(cluster)["worker"]
+    assert len(hosts) == 2 and len(set(hosts)) == 2
+    assert all(h.startswith("127.0.0.1:") for h in hosts)
+    assert "TF_CONFIG" not in environments(1, {}, "/ck", 29400)[0]
+    with pytest.raises(RunLocalError, match="unknown framework 'horovod'"):
+        environments(1, {}, "/ck", 29400, framework="horovod")
 
 
 def project(tmp_path: Path, *args: str) -> Path:

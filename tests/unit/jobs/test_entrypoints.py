@@ -92,3 +92,21 @@ def test_a_package_loop_is_looked_for_in_the_package_s_archive(tmp_path: Path) -
     assert problem_in_package("a.b:f", archive) == (
         "the code package has no a/b.py or a/b/__init__.py (for 'a.b')"
     )
+
+
+def test_a_loop_must_take_no_arguments_or_config_and_ctx(tmp_path: Path) -> None:
+    source = (
+        "def main():\n    pass\n"
+        "def train_loop(config, ctx, extra=1):\n    pass\n"
+        "def spread(*args):\n    pass\n"
+        "def one(ctx):\n    pass\n"
+        "async def three(a, b, /, c):\n    pass\n"
+    )
+    (tmp_path / "loops.py").write_text(source)
+    for name in ("main", "train_loop", "spread"):
+        assert problem(f"loops:{name}", [str(tmp_path)]) is None, name
+    assert problem("loops:one", [str(tmp_path)]) == (
+        "one() takes 1 required argument: a loop takes either no arguments "
+        "(see elastic.train.get_context) or (config, ctx)"
+    )
+    assert "three() takes 3 required arguments" in str(problem("loops:three", [str(tmp_path)]))

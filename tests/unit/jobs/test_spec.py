@@ -248,6 +248,9 @@ def test_a_job_names_one_program_and_a_package_runs_a_command_or_its_own_loop() 
             "--code DIR), or install them on the workers",
         )
     ]
+    assert command_errors(
+        {"entrypoint": "loop.py:main", "code": PACKAGE, "hyperparameters": {"args": ["-n", 3]}}
+    ) == [("hyperparameters.args", "a loop's arguments (its sys.argv) are a list of strings")]
     loop = JobSpec.model_validate(
         {"name": "x", "entrypoint": "src/train.py:loop", "code": PACKAGE, "requirements": ["a"]}
     )

@@ -27,7 +27,7 @@ from elastic.checkpoint.parts import (
     set_rng_streams,
 )
 from elastic.checkpoint.storage import LocalCheckpointStorage
-from elastic.checkpoint.writer import STATE_FILE, CheckpointManager, cpu_copy
+from elastic.checkpoint.writer import STATE_FILE, CheckpointManager, cpu_copy, save_unchecked
 from elastic.train.worker import WorkerContext
 from elastic_train import render
 
@@ -60,6 +60,18 @@ def test_the_snapshot_is_a_copy_training_cannot_change() -> None:
         snap["nested"][1][0], torch.ones(3)
     )
     assert snap["n"] == 1.5 and snap["nested"][1][1] == 3
+
+
+def test_a_state_saved_without_zip_checksums_loads_bit_for_bit_and_torch_save_keeps_them(
+    tmp_path: Path,
+) -> None:
+    from torch.utils.serialization import config
+
+    state = {"w": torch.randn(64, 64, dtype=torch.float64), "step": 3}
+    save_unchecked(state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], state["w"])
+    assert config.save.compute_crc32 is True  # only the checkpoint's own save skipped it
 
 
 def test_random_streams_survive_a_weights_only_round_trip() -> None:
@@ -235,6 +247,39 @@ def test_parameters_are_copied_while_the_next_step_computes(tmp_path: Path) -> N
     state = torch.load(Path(saved["path"]) / STATE_FILE, weights_only=True)
     assert torch.equal(state["model"]["w"], torch.zeros(1 << 20))
     assert torch.equal(state["model"]["b"], torch.zeros(4))
+
+
+def test_each_checkpoint_holds_its_own_step_though_their_copies_share_buffers(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints copy into buffers kept from one to the next: each still holds the state
+    of its own step, in both of its parts (copied at the step, and by the writer thread)."""
+    worker = WorkerContext.standalone(0, 1, str(tmp_path), every_steps=1, keep=3)
+    param = torch.zeros(1 << 16, dtype=torch.float64)
+    buffer = torch.zeros(4)
+    strided = torch.zeros(4, 6)[:, ::2]  # a view with gaps: copied afresh each time
+    manager = CheckpointManager(worker, lambda: [param])
+    manager.state.register(
+        "model", Value(lambda: {"w": param, "b": buffer, "s": strided}, lambda v: None)
+    )
+    for step in (1, 2, 3):
+        manager.save(step)
+        manager.before_update()
+        param.add_(1.5)
+        buffer.add_(2)
+        strided.add_(3)
+        manager.wait()
+    staged = manager.staging.buffers
+    assert {path[-1] for path in staged} == {"w", "b"}  # one buffer each, kept
+    for step in (1, 2, 3):
+        path = worker.checkpoints.path_for(step)
+        state = torch.load(Path(path) / STATE_FILE, weights_only=True)["model"]
+        assert torch.equal(
+            state["w"], torch.full((1 << 16,), 1.5 * (step - 1), dtype=torch.float64)
+        )
+        assert torch.equal(state["b"], torch.full((4,), 2.0 * (step - 1)))
+        assert torch.equal(state["s"], torch.full((4, 3), 3.0 * (step - 1)))
+    assert all(b.data_ptr() not in (param.data_ptr(), buffer.data_ptr()) for b in staged.values())
 
 
 def test_a_corrupt_checkpoint_found_at_a_save_is_reported_and_leaves_the_list(

@@ -97,3 +97,37 @@ def test_with_nobody_waiting_idle_workers_go_to_a_job_measured_not_to_gain() -> 
     book.register(demand("next", hi=2, at=1.0), now=100.0)
     book.replan(NODES, now=100.0)
     assert {j: p.size for j, p in book.placements.items()} == {"flat": 1, "next": 2}
+
+
+def test_queued_rows_are_booked_in_order_and_a_supervisor_takes_one_over() -> None:
+    """The service books its queued jobs without a supervisor: they queue as any job does,
+    the one told to start is taken over by its supervisor, and a row no longer given (a
+    cancel) leaves the books; a supervised job is never unbooked by the rows."""
+    book = SchedulerBook()
+    book.register(demand("running", lo=3, hi=3), now=0.0)
+    rows = [demand(f"row-{i}", lo=2, hi=2, at=float(i + 1)) for i in range(3)]
+    assert book.hold_rows(rows, now=1.0)
+    assert not book.hold_rows(rows, now=1.5)  # the same rows again: nothing changes
+    book.replan(NODES, now=2.0)
+    assert [(e["job_id"], e["position"]) for e in book.view()["queue"]] == [
+        ("row-0", 1),
+        ("row-1", 2),
+        ("row-2", 3),
+    ]
+    assert book.supervised("running") and not book.supervised("row-0")
+
+    assert book.unregister("running")
+    book.replan(NODES, now=3.0)
+    first = book.target("row-0")
+    assert first is not None and (first.size, first.change) == (2, Change.START)
+    book.register(rows[0], now=4.0)  # its supervisor, launched on that decision
+    assert book.supervised("row-0") and book.target("row-0") == first
+
+    # row-1 is cancelled: the service gives the rest; the supervised job stays booked.
+    assert book.hold_rows([rows[2]], now=5.0)
+    assert set(book.jobs) == {"row-0", "row-2"} and book.rows == {"row-2"}
+    assert book.target("row-1") is None
+    book.replan(NODES, now=5.0)
+    waiting = book.target("row-2")
+    assert waiting is not None and waiting.size == 0
+    assert waiting.reason == "waiting: only 1 of 2 workers free"

@@ -259,3 +259,48 @@ def test_worker_processes_read_each_step_s_samples_as_the_replica_itself_does(
     assert len(alone_indices[0]) == BATCH and len(alone_indices[2]) == BATCH // 2
     for a, b in zip(parameters(workers), parameters(alone), strict=True):
         assert torch.equal(a, b)
+
+
+def epochs_trained(ctx: InPlaceContext, epochs: int, per_epoch_loader: bool) -> list[list[int]]:
+    """A loop written per epoch: an epoch function over ``ctx.loader`` (one epoch per
+    ``for``), or over ``ctx.batches`` returning at ``batch.ends_epoch``. Returns each
+    epoch's steps as the loop saw them (a redone step twice)."""
+    torch.manual_seed(SEED)
+    model = ctx.prepare_model(nn.Linear(4, 1, dtype=torch.float64))
+    ctx.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    steps: Any
+    if per_epoch_loader:
+        steps = ctx.loader(data(), BATCH, epochs=epochs, seed=SEED)
+    else:
+        steps = ctx.batches(data(), BATCH, epochs=epochs, seed=SEED)
+    seen: list[list[int]] = []
+    for _ in range(epochs):
+        seen.append([])
+        for batch in steps:
+            seen[-1].append(batch.step)
+            ctx.train_step(batch, squared_error)
+            if not per_epoch_loader and batch.ends_epoch:
+                break
+    ctx.finish_steps()
+    return seen
+
+
+@pytest.mark.parametrize("per_epoch_loader", [False, True])
+def test_a_discarded_last_step_of_an_epoch_does_not_end_the_epoch(
+    tmp_path: Path, per_epoch_loader: bool
+) -> None:
+    """Step 8 ends epoch 0 (8 steps an epoch) and fails its commit once: the epoch goes on to
+    its redo, and the loop trains both epochs whole, its model the one of a run without
+    the failure."""
+    clean = replica(tmp_path / "clean", ScriptedManager([(1, 0, True)]))
+    assert epochs_trained(clean, 2, per_epoch_loader) == [
+        list(range(1, 9)),
+        list(range(9, 17)),
+    ]
+    script = [(1, 0, True)] * 7 + [(1, 0, False), (1, 0, True)]
+    failing = replica(tmp_path / "failing", ScriptedManager(script))
+    seen = epochs_trained(failing, 2, per_epoch_loader)
+    assert seen == [[*range(1, 9), 8], list(range(9, 17))]
+    assert failing.step == 16
+    for a, b in zip(parameters(failing), parameters(clean), strict=True):
+        assert torch.equal(a, b)

@@ -222,9 +222,10 @@ def test_a_worker_that_answered_and_then_died_is_found_by_its_next_ping() -> Non
         assert w.ending.dead == {1} and list(w.runner.busy) == [0]
         assert [m.actor for m in w.killed] == [w.other]
         assert not w.watch.done()  # the survivor's run ends by itself
-        # At most one more ping PING_EVERY_S on, silent for ASK_NODE_S, and the node gone.
-        bound = warm_pool.PING_EVERY_S + warm_pool.ASK_NODE_S
-        assert warm_pool.ASK_NODE_S <= found < bound + 0.3
+        # One more ping PING_EVERY_S on, silent for ASK_NODE_S, and the node gone: about
+        # 0.3 s, held only to under PING_S, since a loaded machine (CI's, beside the hosts
+        # tests) delays this loop's wake-ups by tenths of a second.
+        assert warm_pool.ASK_NODE_S <= found < warm_pool.PING_S
         w.watch.cancel()
 
     asyncio.run(body())

@@ -178,3 +178,71 @@ def test_a_replica_s_child_calls_only_allowed_calls_says_how_it_ended_and_answer
             break
         deadline.wait(0.05)
     assert ctx.drains == 1
+
+
+_ACTOR = """
+import os, subprocess, sys
+from elastic.in_place.child_link import ReplicaRelay
+from elastic.train.worker import WorkerContext
+down_r, down_w = os.pipe()
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(down_r)], pass_fds=[down_r])
+os.close(down_r)
+worker = WorkerContext.standalone(0, 1, sys.argv[2], every_steps=5)
+ReplicaRelay(worker, None, attempt=1, replica=0).attach(os.fdopen(down_w, "wb"))
+print(child.pid, flush=True)
+print("child exited", child.wait(), flush=True)
+"""
+
+_CHILD = """
+import os, sys, time
+from elastic.in_place.child_link import ReplicaControl
+from elastic.train.loop_link import ParentLink
+control = ReplicaControl()
+reply_fd = int(sys.argv[1])
+_, up_w = os.pipe()
+control.link = ParentLink(up_w, reply_fd, control.handle)
+control.watch_parent(reply_fd, silent_s=1.0)
+time.sleep(60)
+"""
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (Z once it exited and waits to be reaped); X when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
+
+
+def test_a_replica_s_child_stops_when_its_actor_is_stopped(tmp_path: Path) -> None:
+    """The actor pings its child; stopped (SIGSTOP, as a hung process is), it pings no
+    more, and its child exits about a second later (``silent_s``) with its own status,
+    rather than heartbeat to the lighthouse on the hung actor's behalf."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from elastic.in_place.child_link import PARENT_SILENT_EXIT
+
+    actor = subprocess.Popen(
+        [sys.executable, "-c", _ACTOR, _CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert actor.stdout is not None
+        child = int(actor.stdout.readline())
+        time.sleep(2.5)  # the pings keep it: more than twice its silent_s
+        assert _state(child) in ("S", "R"), _state(child)
+        os.kill(actor.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while _state(child) not in ("Z", "X") and time.monotonic() - stopped < 10:
+            time.sleep(0.05)
+        took = time.monotonic() - stopped
+        assert 0.9 < took < 3.0, took
+        os.kill(actor.pid, signal.SIGCONT)
+        assert actor.stdout.readline().strip() == f"child exited {PARENT_SILENT_EXIT}"
+        assert actor.wait(timeout=10) == 0
+    finally:
+        actor.kill()
+        actor.wait()

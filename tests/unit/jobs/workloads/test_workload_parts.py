@@ -4,6 +4,8 @@ batch format, the image transforms, the models by name, and the hyperparameter c
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +145,24 @@ def test_synthetic_images_are_not_augmented_unless_asked() -> None:
     assert not isinstance(train, PerSampleRandom)
     cifar = ImageClassificationHyperparameters(dataset="cifar10", data_path="/x", max_steps=1)
     assert cifar.augmentation == "crop_flip"
+
+
+def test_the_readme_job_builds_its_data_and_model_without_torchvision() -> None:
+    """Importing torchvision is a second of every new worker's start: the synthetic job of
+    the README, which augments nothing, builds without it (in a fresh interpreter, as a
+    worker does)."""
+    code = (
+        "import json, sys\n"
+        "from jobs.workloads.image_classification import build_datasets, build_model\n"
+        "from jobs.workloads.image_classification_params import "
+        "ImageClassificationHyperparameters as H\n"
+        "hp = H.model_validate(json.load(open('examples/job.json'))['hyperparameters'])\n"
+        "train, _ = build_datasets(hp)\n"
+        "build_model(hp)(train[0][0][None])\n"
+        "print('torchvision' in sys.modules)\n"
+    )
+    root = Path(__file__).parents[4]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "False"
