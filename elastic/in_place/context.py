@@ -107,15 +107,21 @@ class InPlaceContext(TrainContext):
         1 in place: each replica is a world of its own, and evaluates on its own."""
         return self._participants
 
-    # -- the heal state: every replicated checkpoint part ------------------------------------
+    # -- the heal state: every replicated checkpoint part, and the last report ---------------
 
     def _heal_state(self) -> dict[str, Any]:
-        return self.checkpoints.state.replicated_state()
+        return {"parts": self.checkpoints.state.replicated_state(), "report": self._last_report}
 
     def _load_heal_state(self, state: dict[str, Any]) -> None:
+        """The healer's last report comes along: the step healed past may have been committed
+        only by replicas that were not its quorum's rank 0 (this one's all-reduce was cut by
+        a lost peer, theirs had completed), while rank 0 was lost with its report. Whichever
+        replica is rank 0 next then sends it again (a repeat is dropped by the supervisor)."""
         for name, part in self.checkpoints.state.replicated.items():
-            if name in state:
-                part.load_state_dict(state[name])
+            if name in state["parts"]:
+                part.load_state_dict(state["parts"][name])
+        self._last_report = state["report"]
+        self._reporter = False
 
     # -- the steps ---------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ the data, the sampler, the schedule and the checkpoints are the product's own.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +36,28 @@ class ScriptedManager:
     ``(participants, rank, commits)`` of the script (the last one repeats). The all-reduce
     leaves the tensor as it is: with one participant the sum over the quorum is its own."""
 
-    def __init__(self, script: Sequence[tuple[int, int | None, bool]]) -> None:
+    def __init__(
+        self,
+        script: Sequence[tuple[int, int | None, bool]],
+        heals: dict[int, Callable[[], dict[str, Any]]] | None = None,
+    ) -> None:
+        """``heals``: by quorum number (from 0), the peer's heal state that quorum loads."""
         self.script = script
+        self.heals = heals or {}
         self.quorums = 0
         self.current = script[0]
         self.errors: list[Exception] = []
+        self.load: Callable[[dict[str, Any]], None] | None = None
+        self.save: Callable[[], dict[str, Any]] | None = None
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.loaded = state
 
     def start_quorum(self) -> None:
+        heal = self.heals.get(self.quorums)
+        if heal is not None:
+            assert self.load is not None
+            self.load(heal())
         self.current = self.script[min(self.quorums, len(self.script) - 1)]
         self.quorums += 1
 
@@ -68,8 +80,13 @@ class ScriptedManager:
 def replica(tmp_path: Path, manager: ScriptedManager, must_heal: bool = False) -> InPlaceContext:
     config = WorkerConfig(str(tmp_path / "ckpt"), every_steps=1000, keep=2, max_workers=2)
     worker = WorkerContext(rank=0, world_size=1, config=config, supervisor=None)
+
+    def factory(load: Any, save: Any) -> ScriptedManager:
+        manager.load, manager.save = load, save
+        return manager
+
     return InPlaceContext(
-        {"hyperparameters": {}}, worker, lambda load, save: manager, replica=0, must_heal=must_heal
+        {"hyperparameters": {}}, worker, factory, replica=0, must_heal=must_heal
     )
 
 
@@ -164,6 +181,26 @@ def test_a_replica_that_becomes_the_reporter_sends_the_previous_report_first(
     assert metrics_steps(ctx) == [2, 3, 4]
     reports = [d for k, d in ctx.worker.local_events if k == EventKind.METRICS]
     assert [r["world_size"] for r in reports] == [2, 1, 1]  # the quorum's participants
+
+
+def test_a_step_healed_past_is_reported_by_the_next_reporter(tmp_path: Path) -> None:
+    """A peer was lost in step 2's all-reduce: the all-reduce of this replica (rank 0, the
+    reporter) was cut, rank 1's had completed, so rank 1 committed step 2 and, not being
+    the reporter, did not report it. This replica heals to step 2 from rank 1, and rank 1's
+    last report comes with the heal: it is sent before this replica's report of step 3."""
+    peer = replica(tmp_path / "peer", ScriptedManager([(2, 1, True)]))
+    train(peer, 2)
+    assert metrics_steps(peer) == [] and peer.step == 2
+    assert peer.manager is not None and peer.manager.save is not None
+    healed = replica(
+        tmp_path / "healed",
+        ScriptedManager([(2, 0, True), (2, 0, False), (1, 0, True)], heals={2: peer.manager.save}),
+    )
+    steps, _ = train(healed, 3)
+    assert steps == [1, 2, 3]  # step 2 discarded, then healed past
+    assert healed.step == 3 and metrics_steps(healed) == [1, 2, 3]
+    reports = [d for k, d in healed.worker.local_events if k == EventKind.METRICS]
+    assert reports[1] == {"attempt": 1, **(peer._last_report or {})}
 
 
 def test_a_replica_that_must_heal_never_trains_alone(tmp_path: Path) -> None:
