@@ -85,9 +85,7 @@ def replica(tmp_path: Path, manager: ScriptedManager, must_heal: bool = False) -
         manager.load, manager.save = load, save
         return manager
 
-    return InPlaceContext(
-        {"hyperparameters": {}}, worker, factory, replica=0, must_heal=must_heal
-    )
+    return InPlaceContext({"hyperparameters": {}}, worker, factory, replica=0, must_heal=must_heal)
 
 
 def data() -> TensorDataset:
