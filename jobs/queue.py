@@ -48,10 +48,18 @@ async def push_quotas(
     await _call(namespace, "set_quotas", body, knobs, timeout_s=timeout_s)
 
 
-async def queue_view(namespace: str, timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-    """The scheduler's ``queue()``: ``{"queue": [...], "running": [...], "quotas": {...}}``
-    (its docstring has the fields)."""
-    view: dict[str, Any] = await _call(namespace, "queue", timeout_s=timeout_s)
+async def queue_view(
+    namespace: str,
+    after_position: int = 0,
+    limit: int | None = None,
+    timeout_s: float = CALL_TIMEOUT_S,
+) -> dict[str, Any]:
+    """The scheduler's ``queue()``: ``{"queue": [...], "waiting": n, "running": [...],
+    "quotas": {...}}``, the waiting entries after ``after_position``, at most ``limit`` (its
+    docstring has the fields)."""
+    view: dict[str, Any] = await _call(
+        namespace, "queue", after_position, limit, timeout_s=timeout_s
+    )
     return view
 
 

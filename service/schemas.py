@@ -331,7 +331,13 @@ class Quota(BaseModel):
 
 
 class QueueOut(BaseModel):
-    queue: list[QueueEntry] = Field(description="The waiting jobs, in the order they start.")
+    queue: list[QueueEntry] = Field(
+        description="A page of the waiting jobs, in the order they start."
+    )
+    waiting: int = Field(description="How many jobs wait, on every page.")
+    next_after_position: int | None = Field(
+        description="The `after_position` of the next page; null on the last page."
+    )
     running: list[RunningEntry]
     quotas: dict[str, Quota] = Field(
         description="Owner -> quota; '*' is what an owner not named gets. An admin sees "

@@ -126,9 +126,15 @@ class SchedulerBook:
         """The size this job should have, and why; None for a job that never registered."""
         return self.decisions.get(job_id)
 
-    def view(self) -> dict[str, Any]:
-        """What ``GET /v1/queue`` shows (the format of ``MembershipWatcher.queue``)."""
+    def view(self, after_position: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """What ``GET /v1/queue`` shows (the format of ``MembershipWatcher.queue``): the
+        waiting entries after ``after_position``, at most ``limit`` of them."""
         waiting = queue(list(self.jobs.values()), self.placements)
+        page = (
+            waiting[after_position:]
+            if limit is None
+            else (waiting[after_position : after_position + limit])
+        )
         running = [
             {
                 "job_id": r.demand.job_id,
@@ -145,7 +151,8 @@ class SchedulerBook:
             if r.size > 0
         ]
         return {
-            "queue": [asdict(e) for e in waiting],
+            "queue": [asdict(e) for e in page],
+            "waiting": len(waiting),
             "running": sorted(running, key=lambda r: (-r["priority"], r["job_id"])),
             "quotas": {o: asdict(q) for o, q in self.quotas.items()},
         }

@@ -361,14 +361,15 @@ class MembershipWatcher:
             self.book.knobs = knobs
         self._replan(force=True)
 
-    async def queue(self) -> dict[str, Any]:
+    async def queue(self, after_position: int = 0, limit: int | None = None) -> dict[str, Any]:
         """What the scheduler holds, for ``GET /v1/queue`` and the dashboard:
 
         ``{"queue": [{"job_id", "owner", "priority", "position", "reason",
-        "expected_start_s"}], "running": [{"job_id", "owner", "priority", "size",
-        "borrowed", "min_workers", "max_workers"}], "quotas": {owner: {"workers", "gpus"}}}``
-        (positions from 1, in the order the waiting jobs would start)."""
-        return self.book.view()
+        "expected_start_s"}], "waiting": n, "running": [{"job_id", "owner", "priority",
+        "size", "borrowed", "min_workers", "max_workers"}], "quotas": {owner: {"workers",
+        "gpus"}}}`` (positions from 1, in the order the waiting jobs would start; ``queue``
+        holds those after ``after_position``, at most ``limit``; ``waiting`` counts all)."""
+        return self.book.view(after_position, limit)
 
     def _replan(self, force: bool = False) -> None:
         """Decide every job's size again; wake the supervisors when a decision changed (a

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 
 from jobs import cluster, queue
 from service.auth import Caller
@@ -28,6 +28,11 @@ from service.schemas import (
 log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_token)])
+
+# A page of the waiting jobs: a queue of thousands (a sweep, a team's backlog) answered whole
+# took 50 ms a read at 1 000 entries, and the dashboard reads it every few seconds.
+DEFAULT_QUEUE_PAGE = 100
+MAX_QUEUE_PAGE = 1000
 
 
 @router.get(
@@ -74,15 +79,24 @@ async def get_cluster(services: ServicesDep, caller: CallerDep) -> ClusterOut:
     description="An admin sees every entry in full. A user sees every entry's position, "
     "priority and sizes, so that they know where they stand, but the job, owner, state and "
     "reason of their own entries only (`visible`); of the quotas, their own and the default "
-    "('*'). The scheduler decides the sizes; this reads what it holds now.",
+    "('*'). The scheduler decides the sizes; this reads what it holds now.\n\n"
+    "A long queue comes in pages: `limit` waiting entries after `after_position`; "
+    "`waiting` counts them all and `next_after_position` continues (null on the last page). "
+    "Positions move as jobs start or are cancelled, so a page read later may repeat or skip "
+    "an entry that moved. The jobs holding workers and the quotas come whole on every page.",
     responses={
         **PROBLEM_RESPONSES,
         503: documented_problem("The scheduler does not answer"),
     },
 )
-async def get_queue(services: ServicesDep, caller: CallerDep) -> QueueOut:
+async def get_queue(
+    services: ServicesDep,
+    caller: CallerDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_QUEUE_PAGE)] = DEFAULT_QUEUE_PAGE,
+    after_position: Annotated[int, Query(ge=0)] = 0,
+) -> QueueOut:
     try:
-        view = await queue.queue_view(services.settings.ray_namespace)
+        view = await queue.queue_view(services.settings.ray_namespace, after_position, limit)
     except Exception as e:
         log.warning("the scheduler's queue could not be read: %s", e)
         raise Problem(
@@ -142,8 +156,12 @@ def visible_queue(
     shown = (
         quotas if caller.is_admin else {k: v for k, v in quotas.items() if k in (caller.user, "*")}
     )
+    total = int(view.get("waiting", len(waiting)))
+    last = waiting[-1].position if waiting else None
     return QueueOut(
         queue=waiting,
+        waiting=total,
+        next_after_position=last if last is not None and last < total else None,
         running=running,
         quotas={owner: Quota(**quota) for owner, quota in shown.items()},
     )

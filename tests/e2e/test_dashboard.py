@@ -473,6 +473,7 @@ def test_the_cluster_page_shows_the_queue_who_holds_what_and_the_quotas(
     expect(page.locator("#queue-empty")).to_be_visible(
         visible=not page.locator("#queue-table tbody tr").count()
     )
+    expect(page.locator("#queue-more")).to_be_hidden()  # one page holds the whole queue
     assert table_rows(page, "quotas-table") == [
         ["everyone else (default)", "no limit", "no limit"],
         ["quota-user", "2 workers", "no limit"],

@@ -39,6 +39,8 @@ export function clusterPage(view, { signal }) {
   const dead = el("details", { class: "dead-nodes" });
   const waiting = el("tbody");
   const waitingEmpty = el("p", { class: "empty", id: "queue-empty" }, "No job waits.");
+  // The API answers the first page of a long queue; the rest is counted, not listed.
+  const waitingMore = el("p", { class: "empty", id: "queue-more" });
   const queueError = el("p", { class: "error", role: "alert" });
   queueError.hidden = true;
   const holders = el("tbody");
@@ -66,6 +68,7 @@ export function clusterPage(view, { signal }) {
       queueError,
       table("queue-table", QUEUE_COLUMNS, waiting),
       waitingEmpty,
+      waitingMore,
       el("h3", { id: "holders-title" }, "Who holds what"),
       table("holders-table", HOLDER_COLUMNS, holders),
       holdersEmpty,
@@ -118,6 +121,9 @@ export function clusterPage(view, { signal }) {
       cells(QUEUE_COLUMNS, [String(e.position), jobCell(e), e.owner ?? "–",
         priorityText(e.priority), e.reason ?? "–"]))));
     waitingEmpty.hidden = q.queue.length > 0;
+    const more = q.waiting - q.queue.length;
+    waitingMore.textContent = `…and ${more} more waiting behind them.`;
+    waitingMore.hidden = more <= 0;
     holders.replaceChildren(...q.running.map((e) => el("tr", { dataset: ids(e) },
       cells(HOLDER_COLUMNS, [jobCell(e), e.owner ?? "–", priorityText(e.priority),
         `${e.size} / ${e.min_workers}..${e.max_workers}`, String(e.borrowed)]))));

@@ -115,6 +115,10 @@ def test_queued_rows_are_booked_in_order_and_a_supervisor_takes_one_over() -> No
         ("row-2", 3),
     ]
     assert book.supervised("running") and not book.supervised("row-0")
+    # A page: the waiting entries after a position, with how many wait in all.
+    page = book.view(after_position=1, limit=1)
+    assert ([e["job_id"] for e in page["queue"]], page["waiting"]) == (["row-1"], 3)
+    assert [e["position"] for e in book.view(after_position=2, limit=5)["queue"]] == [3]
 
     assert book.unregister("running")
     book.replan(NODES, now=3.0)

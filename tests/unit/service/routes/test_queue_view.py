@@ -76,6 +76,8 @@ def test_an_admin_sees_every_entry_with_its_name_and_state() -> None:
                 "expected_start_s": None,
             },
         ],
+        "waiting": 2,
+        "next_after_position": None,
         "running": [
             {
                 "priority": 50,
@@ -146,3 +148,19 @@ def test_an_entry_the_store_does_not_hold_keeps_its_place_without_a_name() -> No
         (1, "job-a1", None, None),
         (2, "job-b2", None, None),
     ]
+
+
+def test_a_page_of_a_long_queue_says_how_many_wait_and_where_the_next_page_starts() -> None:
+    """The scheduler answered positions 3 and 4 of 5: the next page starts after 4; the
+    page holding the last entry has no next."""
+    page = {**VIEW, "queue": [{**VIEW["queue"][1], "position": p} for p in (3, 4)], "waiting": 5}
+    out = visible_queue(page, Caller("root", "admin", "t"), ROWS)
+    assert ([e.position for e in out.queue], out.waiting, out.next_after_position) == (
+        [3, 4],
+        5,
+        4,
+    )
+    last = visible_queue({**page, "waiting": 4}, Caller("root", "admin", "t"), ROWS)
+    assert (last.waiting, last.next_after_position) == (4, None)
+    empty = visible_queue({**VIEW, "queue": [], "waiting": 0}, Caller("root", "admin", "t"), ROWS)
+    assert (empty.queue, empty.waiting, empty.next_after_position) == ([], 0, None)
