@@ -23,6 +23,7 @@ from jobs import launcher
 from tests.conftest import (
     NAMESPACE,
     ClusterPool,
+    MachineShare,
     longest_pause_after,
     wait_for,
     wait_until_ended,
@@ -248,16 +249,20 @@ def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
     api: httpx.Client,  # noqa: F811
     pool: ClusterPool,  # noqa: F811
     tmp_path: Path,
+    machine_share: MachineShare,
 ) -> None:
     """Two nodes of one rack fail 0.3 s apart: the last replica trains on within the bound,
     in the same attempt, and ends on the uninterrupted run's model. Whether the second
     replica is inside the survivor's next quorum when it dies depends on tens of
     milliseconds: tests/unit/elastic/in_place/test_rendezvous.py proves that case every time."""
     root = tmp_path / "checkpoints"
-    job = start_at_three_replicas(api, root)
-    first_killed = pool.kill_nodes_apart([pool.pool[0], pool.pool[1]], 0.3)
-    at_one = wait_until(api, job["id"], lambda j: j["world_size"] == 1, 60, "1 replica")
-    wait_until(api, job["id"], lambda j: j["step"] >= at_one["step"] + 10, 60, "training alone")
+    # Timed alone, from the submission: 0.7 s on the quiet machine, it reached 2.06 s beside
+    # the other xdist worker's five-node hosts test.
+    with machine_share.alone():
+        job = start_at_three_replicas(api, root)
+        first_killed = pool.kill_nodes_apart([pool.pool[0], pool.pool[1]], 0.3)
+        at_one = wait_until(api, job["id"], lambda j: j["world_size"] == 1, 60, "1 replica")
+        wait_until(api, job["id"], lambda j: j["step"] >= at_one["step"] + 10, 60, "training alone")
     pause = longest_pause_after(first_killed, events(api, job["id"], "metrics"))
     print(f"in place, two nodes lost 0.3 s apart: {pause:.2f} s from the first kill")
     assert pause <= TWO_LOSSES_PAUSE_BOUND_S, pause
