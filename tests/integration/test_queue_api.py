@@ -128,9 +128,14 @@ def test_the_queue_is_behind_the_token_and_answers_its_shape(server: LiveServer)
         assert r.status_code == 200, r.text
         assert r.json() == {
             "queue": [],
+            "waiting": 0,
+            "next_after_position": None,
             "running": [],
             "quotas": {"*": {"workers": None, "gpus": None}},
         }
+        # Pages are bounded: a limit over the most one page holds is the API's 422.
+        assert admin.get("/v1/queue", params={"limit": 1001}).status_code == 422
+        assert admin.get("/v1/queue", params={"after_position": -1}).status_code == 422
         schema = admin.get("/openapi.json").json()
         answer = schema["paths"]["/v1/queue"]["get"]["responses"]["200"]
         assert answer["content"]["application/json"]["schema"] == {
