@@ -19,6 +19,7 @@ from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.cluster.books import SchedulerBook
+from elastic.cluster.reservation import Reservation
 from elastic.cluster.scheduling import Demand, Knobs, Placement, workers_that_fit
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,6 @@ class RowDecision:
     @property
     def starts(self) -> bool:
         return not self.supervised and self.target is not None and self.target.size > 0
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Capacity held for one job until its next attempt starts."""
-
-    workers: int
-    handle: Any = None
 
 
 class CapacitySource(Protocol):

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from elastic.cluster.reservation import Reservation
 from elastic.in_place.fence import fence
 from elastic.in_place.lighthouse import HOST_NAME, lighthouse_host
 from elastic.in_place.manager import HEARTBEAT_TIMEOUT_MS
@@ -321,6 +322,9 @@ class InPlaceRunner:
 
     def warm_workers(self, exclude: Collection[str] = ()) -> int:
         return 0  # replicas live as long as their attempt
+
+    async def warm_ahead(self, slots: list[Reservation]) -> int:
+        raise NotImplementedError("in place, a grow places joiners that heal in, no pause")
 
     def let_go(self) -> None:
         """Nothing is held between attempts."""

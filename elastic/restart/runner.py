@@ -36,7 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastic.cluster.reservation import Reservation
 from elastic.restart.node_probe import NodeAnswer, NodeProbe
 from elastic.restart.worker import WarmWorker
 from elastic.supervisor.attempt import AttemptOutcome
@@ -70,7 +73,7 @@ PING_S = 1.5
 STOP_SETTLE_S = 3.0
 
 
-@dataclass
+@dataclass(eq=False)  # each member is itself: compared by identity
 class Member:
     """One worker of the pool."""
 
@@ -78,6 +81,7 @@ class Member:
     ready: Any  # the ref of its ``warm`` call: (node id, pid)
     node: str | None = None
     pid: int | None = None
+    group: Any = None  # the placement group of its slot, when a grow reserved one for it
 
 
 @dataclass
@@ -144,6 +148,7 @@ class WarmPoolRunner:
         self.config_for = config_for  # AttemptSpec -> the train-loop config
         self.idle: list[Member] = []
         self.busy: dict[int, Member] = {}  # rank -> member, while its run goes on
+        self.warming: list[Member] = []  # placed for a grow while an attempt trains
         self.stopping = False
         self.closed = False
         self.stop_deadline: float | None = None  # monotonic: when stopped runs are killed
@@ -193,7 +198,8 @@ class WarmPoolRunner:
     def let_go(self) -> None:
         """Between attempts: every idle worker goes, and its slot with it (the scheduler
         gave them to another job); later attempts place new ones."""
-        idle, self.idle = self.idle, []
+        idle, self.idle = [*self.idle, *self.warming], []
+        self.warming = []
         for member in idle:
             self._kill(member)
 
@@ -201,25 +207,61 @@ class WarmPoolRunner:
         """The job ended (or was cancelled): every worker goes, at once."""
         self.closed = True
         self.stop()
-        for member in [*self.busy.values(), *self.idle]:
+        for member in [*self.busy.values(), *self.idle, *self.warming]:
             self._kill(member)
-        self.idle = []
+        self.idle, self.warming = [], []
+
+    async def warm_ahead(self, slots: list[Reservation]) -> int:
+        """Place a new worker in each slot reserved for the job's grow (one worker's
+        placement group each, which lives as long as the worker: handed back, the slot could
+        go to another job's pending reservation before the worker is placed) while the
+        attempt trains, and wait until each has imported what it needs: the grow's pause is
+        then a restart on warm workers only. Those ready join the workers held between
+        attempts; returns how many did. An attempt that starts meanwhile takes them as they
+        are (its start waits for them)."""
+        members = [self._place(slot.handle) for slot in slots]
+        self.warming += members
+        answers = await asyncio.gather(
+            *(_awaited(m.ready) for m in members), return_exceptions=True
+        )
+        ready = 0
+        for member, answer in zip(members, answers, strict=True):
+            if member not in self.warming:
+                continue  # taken by an attempt, or gone with the pool
+            self.warming.remove(member)
+            if isinstance(answer, BaseException) or self.closed:
+                self._kill(member)
+                continue
+            member.node, member.pid = answer
+            self.idle.append(member)
+            ready += 1
+        return ready
 
     # -- the pool ----------------------------------------------------------------------------
 
-    def _place(self) -> Member:
+    def _place(self, group: Any = None) -> Member:
         options = placement(self.plan["resources_per_worker"])
+        if group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, 0)
         actor = WarmWorker.options(**options).remote()  # type: ignore[attr-defined]
-        return Member(actor, actor.warm.remote(self.plan["train_loop"]))
+        return Member(actor, actor.warm.remote(self.plan["train_loop"]), group=group)
 
     def _kill(self, member: Member) -> None:
         with contextlib.suppress(Exception):
             ray.kill(member.actor, no_restart=True)
+        group, member.group = member.group, None
+        if group is not None:  # its slot goes with it
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
 
     def _take(self, size: int, avoid: Collection[str]) -> list[Member]:
-        """The attempt's workers: warm ones first (off ``avoid``), new ones for the rest."""
+        """The attempt's workers: warm ones first (off ``avoid``), then those still warming
+        for a grow, new ones for the rest."""
         members, let_go = choose_warm(self.idle, size, avoid)
-        for member in let_go:
+        warming, self.warming = self.warming, []
+        while len(members) < size and warming:
+            members.append(warming.pop(0))
+        for member in [*let_go, *warming]:
             self._kill(member)
         self.idle = []
         while len(members) < size:

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 from elastic.arrivals import InOrder
 from elastic.checkpoint.directory import CheckpointInfo
-from elastic.cluster.capacity import CapacitySource, Reservation, Snapshot
+from elastic.cluster.capacity import CapacitySource, Snapshot
+from elastic.cluster.reservation import Reservation
 from elastic.cluster.scheduling import Demand, Placement
 from elastic.events import EventKind, EventLog, Resized, Restored, WorkerLost
 from elastic.job_state import TERMINAL_STATES, JobState, check_transition
@@ -110,6 +111,8 @@ class JobLoop:
         self._claim_settled = False
         # Since when a grow the scheduler decided has found only part of its workers free.
         self._short_grow_since: float | None = None
+        # A grow's new workers being placed and warmed while the attempt trains.
+        self._warming: asyncio.Future[None] | None = None
         # A drain notice for nodes of the running attempt: (attempt number, those nodes).
         # The attempt pauses at its next checkpoint and the job goes on without them.
         self.draining: tuple[int, frozenset[str]] | None = None
@@ -547,6 +550,7 @@ class JobLoop:
             self.state != JobState.RUNNING
             or self.recovery is not None
             or attempt.grow_to is not None
+            or self._warming is not None
             or attempt.world_size >= self.plan.max_workers
         ):
             return
@@ -567,20 +571,49 @@ class JobLoop:
             if now - self._short_grow_since < self.timing.release_wait_s:
                 return
         self._short_grow_since = None
+        # One reservation per new worker: each worker holds its own slot from its placement
+        # on, and gives it back when it goes.
         extra = target - attempt.world_size
-        reservation = await self.capacity.reserve(
-            extra, self.plan.resources_per_worker, self.timing.reserve_s
+        slots = await asyncio.gather(
+            *(
+                self.capacity.reserve(1, self.plan.resources_per_worker, self.timing.reserve_s)
+                for _ in range(extra)
+            )
         )
-        if reservation is None or attempt is not self.attempt or self.cancelled:
-            if reservation is not None:
-                await self.capacity.release(reservation, hand_over=False)
+        held = [slot for slot in slots if slot is not None]
+        if len(held) < extra or attempt is not self.attempt or self.cancelled:
+            for slot in held:
+                await self.capacity.release(slot, hand_over=False)
             return
-        # Only now, with the capacity held for this job, is a pause to grow worth it.
-        self.reservation = reservation
-        attempt.grow_to = target
+        # Only now, with the capacity held for this job, is a grow worth it. Its new workers
+        # are placed on the reserved slots at once and warm up (a process, torch, the loop:
+        # seconds) while the attempt trains; the pause comes once they are ready.
+        self._warming = asyncio.ensure_future(self._grow_when_warm(attempt, held, decided))
+
+    async def _grow_when_warm(
+        self, attempt: Attempt, slots: list[Reservation], decided: Placement | None
+    ) -> None:
+        """Pause to grow once the new workers are ready (those that are not never count)."""
+        try:
+            ready = await self.runner.warm_ahead(slots)
+        except Exception:
+            log.exception("%s: warming workers to grow", self.plan.job_id)
+            return
+        finally:
+            self._warming = None
+        if (
+            ready == 0
+            or attempt is not self.attempt
+            or attempt.ended
+            or attempt.paused_at is not None
+            or attempt.stop_cause is not None
+            or self.cancelled
+        ):
+            return  # those ready wait, warm, for the next attempt
+        attempt.grow_to = min(attempt.world_size + ready, self.plan.max_workers)
         attempt.grow_reason = decided
         if decided is not None:
-            self._tell_scheduled(decided, attempt.world_size, target)
+            self._tell_scheduled(decided, attempt.world_size, attempt.grow_to)
 
     def _stop(self, attempt: Attempt, cause: EndCause, reason: str) -> None:
         now = self.clock()

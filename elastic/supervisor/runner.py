@@ -13,6 +13,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from elastic.cluster.reservation import Reservation
 from elastic.supervisor.attempt import AttemptOutcome
 
 
@@ -81,6 +82,12 @@ class AttemptRunner(Protocol):
     def warm_workers(self, exclude: Collection[str] = ()) -> int:
         """Restart mode only: workers held between attempts (their slots are the job's own),
         leaving out those on ``exclude``."""
+        ...
+
+    async def warm_ahead(self, slots: list[Reservation]) -> int:
+        """Restart mode only: place a worker in each of ``slots`` (one worker's reservation
+        each, which its worker then holds) while the attempt trains and wait until they are
+        ready, held between attempts; returns how many are."""
         ...
 
     def let_go(self) -> None:

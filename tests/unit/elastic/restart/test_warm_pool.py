@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from elastic.cluster.reservation import Reservation
 from elastic.restart import runner as warm_pool
 from elastic.restart import worker as warm_worker
 from elastic.restart.node_probe import NodeAnswer, NodeProbe
@@ -40,6 +41,49 @@ def test_an_attempt_takes_warm_workers_in_order_and_lets_go_of_avoided_and_surpl
     assert choose_warm([a, b, c, d], 2, {"n1"}) == ([a, c], [b, d])
     assert choose_warm([a, b], 3, set()) == ([a, b], [])
     assert choose_warm([a, b], 2, {"n0", "n1"}) == ([], [a, b])
+
+
+def test_a_grow_s_workers_warm_while_the_attempt_trains_and_the_next_attempt_takes_them() -> None:
+    """Each new worker is placed on its own reserved slot; those ready join the warm ones,
+    one that died is killed (its slot with it). An attempt that starts while some still warm
+    takes what it needs of them as they are, and lets the rest go."""
+
+    async def body() -> None:
+        runner = WarmPoolRunner({"resources_per_worker": {"CPU": 1.0}}, lambda spec: {})
+        killed: list[Member] = []
+        runner._kill = killed.append  # type: ignore[method-assign,assignment]
+        loop = asyncio.get_running_loop()
+        placed: dict[str, Member] = {}
+
+        def place(group: Any = None) -> Member:
+            placed[group] = Member(f"actor-{group}", loop.create_future(), group=group)
+            return placed[group]
+
+        runner._place = place  # type: ignore[method-assign]
+        warming = asyncio.ensure_future(
+            runner.warm_ahead([Reservation(1, "g1"), Reservation(1, "g2")])
+        )
+        await asyncio.sleep(0)
+        assert runner.warming == [placed["g1"], placed["g2"]] and runner.warm_workers() == 0
+        placed["g1"].ready.set_result(("n5", 50))
+        placed["g2"].ready.set_exception(RuntimeError("its node died"))
+        assert await warming == 1
+        assert [(m.node, m.pid) for m in runner.idle] == [("n5", 50)]
+        assert killed == [placed["g2"]] and runner.warm_workers() == 1
+
+        warm = member("n0")
+        runner.idle = [warm]
+        later = asyncio.ensure_future(
+            runner.warm_ahead([Reservation(1, "g3"), Reservation(1, "g4")])
+        )
+        await asyncio.sleep(0)
+        assert runner._take(2, set()) == [warm, placed["g3"]]
+        assert killed[-1] is placed["g4"] and runner.warming == []
+        placed["g3"].ready.set_result(("n6", 60))
+        placed["g4"].ready.set_result(("n7", 70))
+        assert await later == 0 and runner.idle == []  # g3 is the attempt's; g4 went
+
+    run(body)
 
 
 def test_the_pool_counts_its_warm_workers_off_suspected_nodes() -> None:

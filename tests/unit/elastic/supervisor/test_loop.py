@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from elastic.checkpoint.directory import CheckpointInfo
-from elastic.cluster.capacity import Reservation, Snapshot
+from elastic.cluster.capacity import Snapshot
+from elastic.cluster.reservation import Reservation
 from elastic.cluster.scheduling import Change, Demand, Placement
 from elastic.events import EventLog
 from elastic.supervisor.attempt import AttemptOutcome
@@ -140,6 +141,12 @@ class FakeRunner:
         self.left_running: RunningAttempt | None = None
         self.adopted: list[RunningAttempt] = []
         self.trained: list[int] = []  # replicas the loop said have committed a step
+        # A grow's new workers, on the nodes reserved for them: ready (warm, held between
+        # attempts) once ``warmed`` is set.
+        self.warm: list[str] = []
+        self.warming: list[int] = []  # how many each warm_ahead placed
+        self.warmed = asyncio.Event()
+        self.warmed.set()
 
     async def find_running(self) -> RunningAttempt | None:
         return self.left_running
@@ -150,9 +157,22 @@ class FakeRunner:
         return await self._until_ended()
 
     async def run(self, spec: AttemptSpec) -> AttemptOutcome:
+        """Warm workers first, then free nodes."""
         self.specs.append(spec)
-        self.nodes = self.cluster.free_nodes()[: spec.world_size] if self.place else []
+        warm, self.warm = self.warm, []
+        for node in warm:
+            self.cluster.give(node)
+        free = self.cluster.free_nodes()
+        nodes = [n for n in warm if n in free] + [n for n in free if n not in warm]
+        self.nodes = nodes[: spec.world_size] if self.place else []
         return await self._until_ended()
+
+    async def warm_ahead(self, slots: list[Reservation]) -> int:
+        nodes = [node for slot in slots for node in slot.handle]
+        self.warming.append(len(nodes))
+        await self.warmed.wait()
+        self.warm += nodes
+        return len(nodes)
 
     async def _until_ended(self) -> AttemptOutcome:
         for node in self.nodes:
@@ -183,13 +203,16 @@ class FakeRunner:
         self.trained.append(index)
 
     def warm_workers(self, exclude: Collection[str] = ()) -> int:
-        return 0
+        return sum(1 for node in self.warm if node not in exclude)
 
     def let_go(self) -> None:
-        pass
+        warm, self.warm = self.warm, []
+        for node in warm:
+            self.cluster.give(node)
 
     def close(self) -> None:
         self.stop()
+        self.let_go()
 
     def end(self, outcome: AttemptOutcome) -> None:
         if self.ending is not None and not self.ending.done():
@@ -361,7 +384,10 @@ def test_a_lost_node_shrinks_the_job_and_the_recovery_counts_from_the_first_sign
     run(body)
 
 
-def test_a_job_grows_only_once_the_capacity_is_reserved_for_it() -> None:
+def test_a_job_grows_only_once_its_new_worker_is_placed_and_ready() -> None:
+    """The capacity is reserved, handed to a new worker at once, and the others train on
+    while it warms up: the pause comes at the first checkpoint after it is ready."""
+
     async def body() -> None:
         cluster = FakeCluster(2)
         h = Harness(cluster)
@@ -369,16 +395,25 @@ def test_a_job_grows_only_once_the_capacity_is_reserved_for_it() -> None:
         await h.workers_start(1, step=1)
         assert h.runner.specs[0].world_size == 2
         assert not h.loop.should_pause(1, 10)  # nothing free: no reason to pause
+        h.runner.warmed.clear()
         cluster.add("n9")
-        await h.until(lambda: h.loop.reservation is not None, "a reservation")
-        assert cluster.free["n9"] == 0.0  # held for this job, before any pause
+        await h.until(lambda: h.runner.warming == [1], "the new worker placed")
+        assert cluster.free["n9"] == 0.0  # its slot is the job's, before any pause
+        h.saved(1, 10)
+        assert not h.loop.should_pause(1, 10)  # still warming: the others train on
+        assert h.of("scheduled") == []
+        h.runner.warmed.set()
+        attempt = h.loop.attempt
+        assert attempt is not None
+        await h.until(lambda: attempt.grow_to == 3, "the grow, once the worker is ready")
+        assert h.loop.reservation is None and h.loop.runner.warm_workers() == 1
         h.saved(1, 20)
         assert h.loop.should_pause(1, 20)
         h.runner.end(AttemptOutcome())  # the workers stop at the checkpoint
         await h.attempt(2)
         assert h.runner.specs[1] == AttemptSpec(2, 3, "/c/step_20")
-        # The start's reservation, then the grow's, each handed to the attempt it was for.
-        assert h.capacity.released == [(2, True), (1, True)]
+        # The start's reservation was handed to its attempt; the grow's is its new worker's.
+        assert h.capacity.released == [(2, True)]
         await h.workers_start(2, step=21)
         (grow,) = h.of("resized")
         assert (grow["from_world"], grow["to_world"], grow["steps_redone"]) == (2, 3, 0)
@@ -406,17 +441,20 @@ def test_two_jobs_racing_for_one_free_slot_only_one_pauses() -> None:
         cluster.give("n2")  # one free slot, and both jobs would grow into it
         await a.workers_start(1, step=1)
         await b.workers_start(1, step=1)
-        await a.until(
-            lambda: any(h.loop.reservation is not None for h in (a, b)), "one reservation"
-        )
+
+        def grows(h: Harness) -> bool:
+            return h.loop.attempt is not None and h.loop.attempt.grow_to is not None
+
+        await a.until(lambda: any(grows(h) for h in (a, b)), "one grow")
         await asyncio.sleep(0.05)  # the loser's attempt to reserve has come and gone
-        held = [h.loop.reservation is not None for h in (a, b)]
+        held = [grows(h) for h in (a, b)]
         assert sorted(held) == [False, True]
+        assert sorted(h.runner.warming for h in (a, b)) == [[], [1]]
         assert [h.loop.should_pause(1, 10) for h in (a, b)] == held
         for h in (a, b):
             h.loop.cancel("done")
             await h.finish()
-        assert cluster.free["n2"] == 1.0  # the cancelled job gave its reservation back
+        assert cluster.free["n2"] == 1.0  # the cancelled job's new worker gave its slot back
 
     run(body)
 
@@ -986,9 +1024,13 @@ def test_a_grow_whose_workers_come_back_a_moment_apart_is_one_pause() -> None:
         cluster.give("n1")
         if second_back:
             await asyncio.sleep(0.3)
-            assert h.loop.reservation is None  # no pause for one worker of the two
+            assert h.runner.warming == []  # no pause for one worker of the two
             cluster.give("n2")
-        await h.until(lambda: h.loop.reservation is not None, "a reservation")
+        await h.until(lambda: h.runner.warming != [], "new workers placed")
+        assert h.runner.warming == [grown_to - 1]
+        attempt = h.loop.attempt
+        assert attempt is not None
+        await h.until(lambda: attempt.grow_to is not None, "the grow decided")
         (told,) = h.of("scheduled")
         assert (told["from_world"], told["to_world"]) == (1, grown_to)
         h.saved(1, 10)
