@@ -5,7 +5,8 @@ per worker slot, each holding the job's ``resources_per_worker``: rank 0 opens a
 store bound to its node's Ray address, every rank joins the group through it and runs the
 job's ``train_loop`` from the attempt's checkpoint, and leaves the group when the loop ends,
 whatever happened. An actor imports torch, the training loop and the job's module once, when
-it is placed, so the next attempt on it starts at once.
+it is placed, so the next attempt on it starts at once. A grow's new actors are placed and
+warm up while the attempt trains (``warm_ahead``), so its pause starts on warm actors too.
 
 When a node dies, its actors die with their raylet (``elastic/train/orphan.py``): the
 survivors' collectives fail at once, each survivor's loop raises and leaves the group, and
