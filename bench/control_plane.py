@@ -102,7 +102,7 @@ def timed_reads(api: httpx.Client, job_id: str, reads: int) -> dict[str, list[fl
 def settle(api: httpx.Client, queued: int, timeout_s: float = 120.0) -> None:
     """Until the scheduler's queue holds every queued job."""
     deadline = time.monotonic() + timeout_s
-    while len(api.get("/v1/queue").json()["queue"]) < queued:
+    while api.get("/v1/queue").json()["waiting"] < queued:
         if time.monotonic() > deadline:
             raise SystemExit(f"the scheduler never showed {queued} queued jobs")
         time.sleep(0.5)
