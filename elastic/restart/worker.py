@@ -75,7 +75,11 @@ class WarmWorker:
 
     def warm(self, train_loop: str) -> tuple[str, int]:
         """Import what every attempt needs, once; returns (node id, pid)."""
-        import torch  # noqa: F401
+        import torch
+
+        # The first optimizer a process builds imports it: over a second on the dev box,
+        # which would otherwise fall in the first attempt on this worker (a grow's pause).
+        import torch._dynamo  # noqa: F401
 
         import elastic.train.context  # noqa: F401
 
