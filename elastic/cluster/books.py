@@ -130,11 +130,7 @@ class SchedulerBook:
         """What ``GET /v1/queue`` shows (the format of ``MembershipWatcher.queue``): the
         waiting entries after ``after_position``, at most ``limit`` of them."""
         waiting = queue(list(self.jobs.values()), self.placements)
-        page = (
-            waiting[after_position:]
-            if limit is None
-            else (waiting[after_position : after_position + limit])
-        )
+        page = waiting[after_position:][:limit]
         running = [
             {
                 "job_id": r.demand.job_id,

@@ -156,12 +156,11 @@ def visible_queue(
     shown = (
         quotas if caller.is_admin else {k: v for k, v in quotas.items() if k in (caller.user, "*")}
     )
-    total = int(view.get("waiting", len(waiting)))
     last = waiting[-1].position if waiting else None
     return QueueOut(
         queue=waiting,
-        waiting=total,
-        next_after_position=last if last is not None and last < total else None,
+        waiting=view["waiting"],
+        next_after_position=last if last is not None and last < view["waiting"] else None,
         running=running,
         quotas={owner: Quota(**quota) for owner, quota in shown.items()},
     )

@@ -29,6 +29,7 @@ VIEW: dict[str, Any] = {
             "expected_start_s": 12.5,
         },
     ],
+    "waiting": 2,
     "running": [
         {
             "job_id": "job-b1",
