@@ -117,7 +117,12 @@ def main(argv: list[str]) -> int:
         sys.stderr.flush()
         os._exit(1)  # not through torch's exit handlers, which may wait on lost peers
     dist.destroy_process_group()
-    return 0
+    # Not through the interpreter's teardown either: a peer that ended first took rank 0's
+    # store with it, and a store thread still joinable at static destruction aborts the
+    # process (std::terminate, status 134) after the loop has ended well.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
