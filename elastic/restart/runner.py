@@ -330,9 +330,19 @@ class WarmPoolRunner:
         config = self.config_for(spec)
         timeout_s = float(self.plan["collective_timeout_s"])
         rank0 = self.busy[0]
+        opened = asyncio.ensure_future(
+            _awaited(rank0.actor.open_store.remote(spec.world_size, timeout_s))
+        )
+        # Its node may have died a moment ago, unknown to Ray's membership for seconds.
+        lookout = asyncio.ensure_future(self._lookout(0))
         try:
-            host, port = await rank0.actor.open_store.remote(spec.world_size, timeout_s)
-        except ray.exceptions.RayError:
+            await asyncio.wait({opened, lookout}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lookout.cancel()
+        if opened.done() and not isinstance(opened.exception(), ray.exceptions.RayError):
+            host, port = opened.result()
+        else:  # its worker died (Ray said so, or its lookout found it)
+            opened.cancel()
             if not self.stopping:
                 ending.dead.add(0)
                 ending.failed(time.monotonic())
@@ -378,19 +388,30 @@ class WarmPoolRunner:
         attempt: int,
     ) -> None:
         """Until every run ended, or the bound after a failure or a stop passed; ``wakes``
-        (a stop, a worker's failure signal) end a wait, once each."""
+        (a stop, a worker's failure signal) end a wait, once each. Until each worker has
+        joined the attempt's group it is pinged too: a peer that dies before it joined
+        leaves the others waiting in the join with no error, so a death then is the
+        attempt's failure."""
         lookouts: dict[asyncio.Future[Any], int] = {}
+        if not self.closed:
+            lookouts = {
+                asyncio.ensure_future(self._lookout(rank, joining=attempt)): rank
+                for rank in runs.values()
+            }
         abandoned = False
         try:
             while runs:
                 over = ending.failed_at is not None or self.stopping
                 if over and not abandoned:
                     # The attempt is over: the runs still going leave the collectives they
-                    # wait in, rather than wait on a peer that failed and left.
+                    # wait in (or their join), rather than wait on a peer that failed and left.
                     abandoned = True
                     for rank in runs.values():
                         with contextlib.suppress(Exception):
                             self.busy[rank].actor.abandon.remote(attempt)
+                    for lookout in lookouts:
+                        lookout.cancel()
+                    lookouts = {}
                     if not self.closed:
                         lookouts = {
                             asyncio.ensure_future(self._lookout(rank)): rank
@@ -417,12 +438,16 @@ class WarmPoolRunner:
                     rank = lookouts.pop(lookout)
                     if lookout.cancelled() or lookout.exception() is not None or self.closed:
                         continue
+                    if not lookout.result():
+                        continue  # it joined the group: a death now fails a collective
                     log.warning(
                         "worker %s (pid %s) is lost, with its node or its process: counted dead",
                         rank,
                         self.busy[rank].pid,
                     )
                     ending.dead.add(rank)
+                    if not self.stopping:
+                        ending.failed(time.monotonic())
                     for fut, r in list(runs.items()):
                         if r == rank:
                             del runs[fut]
@@ -437,13 +462,19 @@ class WarmPoolRunner:
             for lookout in lookouts:
                 lookout.cancel()
 
-    async def _lookout(self, rank: int) -> None:
-        """Returns once the worker of ``rank`` is found dead (see PING_EVERY_S); runs until
-        cancelled while it answers."""
+    async def _lookout(self, rank: int, joining: int | None = None) -> bool:
+        """Returns True once the worker of ``rank`` is found dead (see PING_EVERY_S); runs
+        until cancelled while it answers. With ``joining`` (an attempt), it asks whether the
+        worker joined that attempt's group instead, and returns False once it has."""
         member = self.busy[rank]
         while True:
             sent = time.monotonic()
-            ping = asyncio.ensure_future(_awaited(member.actor.ping.remote()))
+            asked = (
+                member.actor.ping.remote()
+                if joining is None
+                else member.actor.joined.remote(joining)
+            )
+            ping = asyncio.ensure_future(_awaited(asked))
             try:
                 await asyncio.wait({ping}, timeout=ASK_NODE_S)
                 node: NodeAnswer | None = None
@@ -452,7 +483,7 @@ class WarmPoolRunner:
                         node = await self.probe.ask(member.node) if member.node else NodeAnswer.GONE
                     silent_s = time.monotonic() - sent
                     if dead_by(node, silent_s):
-                        return
+                        return True
                     if node is NodeAnswer.UP and silent_s >= PING_S:
                         break  # its node there all along: alive, only slow
                     # A node that answered is asked again soon: it may be dying right now
@@ -461,7 +492,9 @@ class WarmPoolRunner:
                     wait_s = min(ASK_NODE_S, left_s) if node is NodeAnswer.UP else left_s
                     await asyncio.wait({ping}, timeout=wait_s)
                 if ping.done() and ping.exception() is not None:
-                    return  # the actor is gone: Ray said so
+                    return True  # the actor is gone: Ray said so
+                if joining is not None and ping.done() and ping.result():
+                    return False
             finally:
                 ping.cancel()
             await asyncio.sleep(PING_EVERY_S)

@@ -23,7 +23,7 @@ import ray
 from elastic.arrivals import Outbox
 from elastic.events import EventKind
 from elastic.train.entrypoint import EntrypointError, last_line, resolve
-from elastic.train.group_sockets import GroupSockets
+from elastic.train.group_sockets import GroupSockets, Joining
 from elastic.train.orphan import die_with_parent
 from elastic.train.worker_logs import FLUSH_S, LOG_FLUSH_S, forward_output
 
@@ -68,6 +68,7 @@ class WarmWorker:
         self.attempt: int | None = None  # the latest run's
         self.abandoned = threading.Event()  # the latest run's: see ``abandon``
         self.group: GroupSockets | None = None  # the latest run's, once it joined its group
+        self.joining: Joining | None = None  # the latest run's, while it joins its group
         # Its node's raylet gone, it ends at once (not at Ray's check a second later): the
         # survivors' collectives fail now, and the attempt ends on that.
         die_with_parent()
@@ -92,6 +93,12 @@ class WarmWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def joined(self, attempt: int) -> bool:
+        """Whether this worker's run of ``attempt`` has joined its group: until every worker
+        has, the supervisor pings them (a peer that dies then leaves the others waiting in
+        the join, with no error to tell)."""
+        return self.attempt == attempt and self.group is not None
+
     def abandon(self, attempt: int) -> None:
         """The supervisor gave up on ``attempt`` (a worker of it failed or died): the
         collectives still waiting give up now, whatever they wait on. A peer whose node
@@ -99,7 +106,7 @@ class WarmWorker:
         last until the collective timeout. Word of an earlier attempt is ignored."""
         if self.attempt == attempt:
             self.abandoned.set()  # before the group is read: see ``run``
-            group = self.group
+            group = self.group if self.group is not None else self.joining
             if group is not None:
                 group.shut()
 
@@ -171,15 +178,24 @@ class WarmWorker:
         self.training_thread = threading.get_ident()
         abandoned = self.abandoned = threading.Event()
         self.attempt, self.group = meta["attempt"], None
+        self.joining = Joining(rank, host, port)
         try:
             with forward_output(send):
                 try:
                     master = self.store if rank == 0 else None
-                    self.group = join_process_group(
-                        backend, rank, world_size, host, port, timeout_s, master_store=master
+                    group = join_process_group(
+                        backend,
+                        rank,
+                        world_size,
+                        host,
+                        port,
+                        timeout_s,
+                        master_store=master,
+                        abandoned=abandoned,
                     )
+                    self.group, self.joining = group, None
                     if abandoned.is_set():  # given up while it joined: see ``abandon``
-                        self.group.shut()
+                        group.shut()
                     # A command job's GPUs are its command's: the worker makes no CUDA context
                     # there (it would hold the GPU's memory beside the command).
                     device = torch.device("cpu") if "command" in config else _device()
@@ -189,17 +205,25 @@ class WarmWorker:
                 except AttemptAbandoned:
                     pass  # the attempt's failure is another worker's to report
                 except Exception as e:
-                    result["failed_at"] = time.time()  # before its peers fail because of it
-                    # Peers waiting on this worker in a collective fail now, rather than at
-                    # the collective timeout: its group's sockets stay open otherwise
-                    # (elastic/train/group_sockets.py).
-                    if self.group is not None:
-                        self.group.shut()
-                    text = last_line(str(e))
-                    result["error"] = f"{type(e).__name__}: {text}" if text else type(e).__name__
-                    result["code_error"] = isinstance(e, EntrypointError)
-                    traceback.print_exc()  # into the job's log
+                    if abandoned.is_set() and self.group is None:
+                        # Its join was given up (its sockets shut): the attempt failed
+                        # elsewhere, and this worker is as clean as one that never joined.
+                        log.info("rank %s left its group's join: %r", rank, e)
+                    else:
+                        result["failed_at"] = time.time()  # before its peers fail because of it
+                        # Peers waiting on this worker in a collective fail now, rather than at
+                        # the collective timeout: its group's sockets stay open otherwise
+                        # (elastic/train/group_sockets.py).
+                        if self.group is not None:
+                            self.group.shut()
+                        text = last_line(str(e))
+                        result["error"] = (
+                            f"{type(e).__name__}: {text}" if text else type(e).__name__
+                        )
+                        result["code_error"] = isinstance(e, EntrypointError)
+                        traceback.print_exc()  # into the job's log
                 finally:
+                    self.joining = None
                     with contextlib.suppress(Exception):
                         if dist.is_initialized():
                             dist.destroy_process_group()

@@ -126,3 +126,22 @@ class GroupSockets:
                 finally:
                     dup.close()
         return shut
+
+
+class Joining:
+    """A join under way in this process, as far as it got: what :meth:`shut` closes so that
+    a join waiting on a peer that died before it joined (which sends nothing, not even a
+    reset) is given up at once rather than at the collective timeout."""
+
+    def __init__(self, rank: int, host: str, port: int) -> None:
+        self.rank, self.store = rank, (host, port)
+        self.before = set(own_sockets())
+
+    def sockets(self) -> GroupSockets:
+        """Connections to the store (and, on rank 0, those it accepted), and those on the
+        ports Gloo has listened on since the join began."""
+        ours = listening_since(self.before) | ({self.store} if self.rank == 0 else set())
+        return GroupSockets(frozenset(ours), frozenset({self.store}))
+
+    def shut(self) -> int:
+        return self.sockets().shut()

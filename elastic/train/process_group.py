@@ -16,6 +16,7 @@ import datetime
 import json
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -99,6 +100,36 @@ def bound_store(host: str, world_size: int, timeout_s: float, port: int = 0) -> 
     )
 
 
+# How long one try to reach the attempt's store may wait for a handshake, and the pause
+# after a refused one, when the join can be given up: the store's own client retries for its
+# whole timeout, with no way in.
+STORE_CONNECT_TRY_S = 0.5
+STORE_RETRY_S = 0.05
+
+
+def _client_store(
+    host: str, port: int, world_size: int, timeout_s: float, abandoned: threading.Event | None
+) -> Any:
+    """A client of the attempt's store. With ``abandoned``, the store is first reached by a
+    plain connection, tried again until one is accepted, the attempt is given up
+    (:class:`AttemptAbandoned`) or ``timeout_s`` passed: rank 0 may have died before it."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if abandoned is not None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if abandoned.is_set():
+                raise AttemptAbandoned("the attempt failed elsewhere while this worker joined")
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"the attempt's store at {host}:{port} did not answer")
+            try:
+                socket.create_connection((host, port), min(STORE_CONNECT_TRY_S, left_s)).close()
+                break
+            except OSError:
+                time.sleep(STORE_RETRY_S)
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
 def join_process_group(
     backend: str,
     rank: int,
@@ -107,16 +138,19 @@ def join_process_group(
     port: int,
     timeout_s: float,
     master_store: Any = None,
+    abandoned: threading.Event | None = None,
 ) -> GroupSockets:
     """Join the attempt's process group: rank 0 through the store it opened
     (``master_store``), the others as clients of it. Returns the group's sockets in this
-    process, to shut when the attempt fails (``elastic/train/group_sockets.py``)."""
+    process, to shut when the attempt fails (``elastic/train/group_sockets.py``). With
+    ``abandoned``, a client gives up reaching the store once it is set (see
+    :class:`~elastic.train.group_sockets.Joining` for the rest of the join)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         assert master_store is not None, "rank 0 hosts the store"
         store = master_store
     else:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        store = _client_store(host, port, world_size, timeout_s, abandoned)
     before = set(own_sockets())
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout

@@ -132,25 +132,36 @@ class Told:
         self.calls.append(args)
 
 
-class PingedActor:
-    """A worker actor's ``ping``: answered at once, or never (its node is gone); and its
-    ``abandon``, recorded."""
+class Answered:
+    """One method of a worker actor: each call counted, and answered at once with
+    ``value()`` while ``answers()`` holds, else never (its node is gone)."""
 
-    def __init__(self, answers: bool) -> None:
-        self.answers = answers
-        self.pings = 0
+    def __init__(self, answers: Callable[[], bool], value: Callable[[], object]) -> None:
+        self.answers, self.value = answers, value
+        self.calls = 0
+
+    def remote(self, *args: object) -> asyncio.Future[object]:
+        self.calls += 1
+        answer: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        if self.answers():
+            answer.set_result(self.value())
+        return answer
+
+
+class PingedActor:
+    """A worker actor's ``ping``: answered at once, or never (its node is gone); its
+    ``joined``: at once, yes, for one that joined the attempt's group (``joined``), else as
+    its pings are, with no; and its ``abandon``, recorded."""
+
+    def __init__(self, answers: bool, joined: bool = True) -> None:
+        self.answers, self.has_joined = answers, joined
+        self.ping = Answered(lambda: self.answers, lambda: None)
+        self.joined = Answered(lambda: self.has_joined or self.answers, lambda: self.has_joined)
         self.abandon = Told()
 
     @property
-    def ping(self) -> PingedActor:
-        return self
-
-    def remote(self) -> asyncio.Future[None]:
-        self.pings += 1
-        answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if self.answers:
-            answer.set_result(None)
-        return answer
+    def pings(self) -> int:
+        return self.ping.calls
 
 
 ATTEMPT = 7
@@ -187,9 +198,11 @@ class Watched:
     watch: asyncio.Future[None]
 
 
-def watching(answers: bool, node: NodeAnswer = NodeAnswer.UP) -> Watched:
-    """``answers``: whether rank 1 answers its pings; ``node``: what its node answers."""
-    survivor, other = PingedActor(answers=True), PingedActor(answers=answers)
+def watching(answers: bool, node: NodeAnswer = NodeAnswer.UP, joined: bool = True) -> Watched:
+    """``answers``: whether rank 1 answers its pings; ``node``: what its node answers;
+    ``joined``: whether both have joined the attempt's group already."""
+    survivor = PingedActor(answers=True, joined=joined)
+    other = PingedActor(answers=answers, joined=joined)
     nodes, killed = Nodes(), list[Member]()
     nodes.answers["n1"] = node
     runner = WarmPoolRunner({"resources_per_worker": {"CPU": 1.0}}, lambda spec: {})
@@ -239,6 +252,75 @@ def test_a_worker_s_failure_signal_starts_the_pings_before_any_run_returns() -> 
         assert w.survivor.pings >= 2  # the living are asked again
         assert not w.watch.done()  # waiting for rank 0's run, within SETTLE_S
         w.watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_worker_that_dies_before_it_joined_fails_the_attempt_at_once() -> None:
+    """Until a worker has joined the attempt's group, it is asked whether it has: one that
+    died then (its node gone a moment after the attempt began) sends nothing its peers could
+    fail on, so they would wait in the join. Found dead, it fails the attempt, and the
+    others are told to give up their join."""
+
+    async def body() -> None:
+        w = watching(answers=False, node=NodeAnswer.GONE, joined=False)
+        found = await until(lambda: bool(w.ending.dead))
+        assert w.ending.dead == {1} and w.ending.failed_at is not None
+        assert [m.actor for m in w.killed] == [w.other] and list(w.runner.busy) == [0]
+        assert w.survivor.abandon.calls == [(ATTEMPT,)] and w.other.abandon.calls == []
+        assert w.nodes.asked == ["n1"] and found < warm_pool.PING_S
+        assert w.ending.outcome(stopped=False) == AttemptOutcome(
+            "rank 1: its worker died (its process or its node was lost)", [1]
+        )
+        w.watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_workers_are_asked_until_they_joined_and_then_left_alone() -> None:
+    """A healthy attempt costs its workers a few questions at its start, none once each one
+    has joined, until a failure."""
+
+    async def body() -> None:
+        w = watching(answers=True, joined=False)
+        await until(lambda: w.survivor.joined.calls >= 2 and w.other.joined.calls >= 2)
+        w.survivor.has_joined = w.other.has_joined = True
+        await asyncio.sleep(2 * warm_pool.PING_EVERY_S)
+        asked = (w.survivor.joined.calls, w.other.joined.calls)
+        await asyncio.sleep(5 * warm_pool.PING_EVERY_S)
+        assert (w.survivor.joined.calls, w.other.joined.calls) == asked
+        assert (w.survivor.pings, w.other.pings, w.nodes.asked) == (0, 0, [])
+        assert w.ending.failed_at is None and w.ending.dead == set() and w.killed == []
+        w.watch.cancel()
+
+    asyncio.run(body())
+
+
+def test_rank_0_lost_while_it_opens_the_store_fails_the_attempt_without_waiting_for_ray() -> None:
+    """Rank 0's node died a moment before the attempt: its call to open the store would
+    wait for Ray's membership (seconds). Its pings find it, and the attempt ends with the
+    others back in the pool."""
+
+    class LostRank0(PingedActor):
+        def __init__(self) -> None:
+            super().__init__(answers=False)
+            self.open_store = Answered(lambda: False, lambda: None)
+
+    async def body() -> None:
+        nodes, killed = Nodes(), list[Member]()
+        nodes.answers["n0"] = NodeAnswer.GONE
+        runner = WarmPoolRunner({"collective_timeout_s": 30.0}, lambda spec: {})
+        runner._kill = killed.append  # type: ignore[method-assign,assignment]
+        runner.probe = nodes.probe()
+        lost, survivor = LostRank0(), PingedActor(answers=True)
+        runner.busy = {0: Member(lost, None, "n0", 10), 1: Member(survivor, None, "n1", 11)}
+        ending = Ending()
+        began = time.monotonic()
+        await asyncio.wait_for(runner._train(AttemptSpec(ATTEMPT, 2, None), ending), 5.0)
+        assert time.monotonic() - began < warm_pool.PING_S
+        assert ending.dead == {0} and ending.failed_at is not None
+        assert lost.open_store.calls == 1 and nodes.asked == ["n0"]
+        assert [m.actor for m in runner.idle] == [survivor] and list(runner.busy) == [0]
 
     asyncio.run(body())
 
@@ -460,7 +542,12 @@ def test_a_worker_gives_up_only_the_attempt_it_runs() -> None:
     """Word of an earlier attempt, late, leaves the current one's collectives alone."""
     cls = WarmWorker.__ray_actor_class__  # the actor's own class, without Ray
     worker = cls.__new__(cls)  # no __init__: it binds Gloo to the node and watches its parent
-    worker.attempt, worker.abandoned, worker.group = 3, threading.Event(), None
+    worker.attempt, worker.abandoned, worker.group, worker.joining = (
+        3,
+        threading.Event(),
+        None,
+        None,
+    )
     worker.abandon(2)
     assert not worker.abandoned.is_set()
     worker.abandon(3)

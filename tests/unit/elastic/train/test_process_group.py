@@ -1,10 +1,14 @@
-"""A worker's collectives, given up when its attempt failed: two real Gloo groups of one
-world of 2, in two threads of this process, and the sockets a group is found by."""
+"""A worker's collectives and its join, given up when its attempt failed: two real Gloo
+groups of one world of 2, in two threads of this process; joins of a world of 3, each in
+its own process; and the sockets a group is found by."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,7 +26,13 @@ from elastic.train.group_sockets import (
     own_sockets,
     parse_tcp_table,
 )
-from elastic.train.process_group import ABANDON_POLL_S, AttemptAbandoned, all_reduce
+from elastic.train.process_group import (
+    ABANDON_POLL_S,
+    STORE_CONNECT_TRY_S,
+    STORE_RETRY_S,
+    AttemptAbandoned,
+    all_reduce,
+)
 
 
 def two_ranks() -> dict[int, Any]:
@@ -141,3 +151,80 @@ def test_a_connection_belongs_to_the_group_by_its_ports() -> None:
         False,
     ]
     assert belongs(to_ray, ours, {("0.0.0.0", 40001)})  # a peer listening on every address
+
+
+# A join of one world of 3 in its own process (a group is the process's), given up as the
+# worker's ``abandon`` does (the flag set, the join's sockets shut): GIVE_UP_S after it began,
+# or, with 0, when a line comes on its stdin. It prints how it ended, and how long after the
+# give-up.
+JOIN = """
+import json, sys, threading, time
+from elastic.train.group_sockets import Joining
+from elastic.train.process_group import bound_store, join_process_group
+rank, port, give_up_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+store = bound_store("127.0.0.1", 3, 60.0, port=port) if rank == 0 else None
+abandoned, joining = threading.Event(), Joining(rank, "127.0.0.1", port)
+given_up = []
+def give_up():
+    if give_up_s == 0:
+        sys.stdin.readline()
+    else:
+        time.sleep(give_up_s)
+    given_up.append(time.monotonic())
+    abandoned.set()
+    joining.shut()
+threading.Thread(target=give_up, daemon=True).start()
+print("joining", flush=True)
+try:
+    join_process_group("gloo", rank, 3, "127.0.0.1", port, 60.0, store, abandoned)
+    ended = "joined"
+except Exception as e:
+    ended = type(e).__name__
+print(json.dumps([ended, time.monotonic() - given_up[0] if given_up else None]), flush=True)
+"""
+
+
+def joiner(rank: int, port: int, give_up_s: float) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", JOIN, str(rank), str(port), str(give_up_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "joining"
+    return process
+
+
+def ended(process: subprocess.Popen[str], give_up: bool = False) -> tuple[str, float]:
+    """How the join ended, and how long after it was given up."""
+    out, _ = process.communicate(input="give up\n" if give_up else None, timeout=60)
+    how, late_s = json.loads(out.splitlines()[-1])
+    assert late_s is not None, f"the join ended by itself: {how}"
+    return how, late_s
+
+
+def test_a_join_waiting_on_a_peer_that_never_comes_is_given_up_at_once() -> None:
+    """Ranks 0 and 1 of a world of 3 wait in the join for rank 2, which died before it
+    joined and so sends nothing: shutting what each one's join has opened ends its wait at
+    once, not at the 60 s timeout. Rank 1 gives up first, and rank 0 (the store's host)
+    still waits until it gives up too."""
+    port = free_port()
+    first = joiner(0, port, give_up_s=0)
+    how, late_s = ended(joiner(1, port, give_up_s=2.0))
+    assert how != "joined" and late_s < 1.0
+    assert first.poll() is None  # rank 1 leaving is not rank 2 coming
+    how, late_s = ended(first, give_up=True)
+    assert how != "joined" and late_s < 1.0
+
+
+def test_a_store_that_never_answers_is_given_up_within_a_try() -> None:
+    """Rank 0 died before anyone reached its store: a client's tries to connect end once
+    the attempt is given up, within one try's length."""
+    how, late_s = ended(joiner(1, free_port(), give_up_s=0.5))
+    assert how == "AttemptAbandoned" and late_s < STORE_CONNECT_TRY_S + STORE_RETRY_S + 0.3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
