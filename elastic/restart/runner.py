@@ -96,24 +96,27 @@ class Ending:
     dead: set[int] = field(default_factory=set)
     failed_at: float | None = None  # monotonic: the first failure the runner saw
     code_error: bool = False  # a worker could not load the job's code
+    nodes: dict[int, str] = field(default_factory=dict)  # rank -> node, once placed
 
     def failed(self, now: float) -> None:
         if self.failed_at is None:
             self.failed_at = now
 
     def outcome(self, stopped: bool) -> AttemptOutcome:
+        dead = sorted(self.dead)
+        nodes = {r: self.nodes[r] for r in dead if r in self.nodes}
         if stopped:
-            return AttemptOutcome(None, sorted(self.dead))
+            return AttemptOutcome(None, dead, dead_nodes=nodes)
         if self.errors:
             _, rank, text = min(self.errors, key=lambda e: e[0])
             return AttemptOutcome(
-                f"rank {rank}: {text}"[:1000], sorted(self.dead), code_error=self.code_error
+                f"rank {rank}: {text}"[:1000], dead, code_error=self.code_error, dead_nodes=nodes
             )
         if self.dead:
-            rank = min(self.dead)
             return AttemptOutcome(
-                f"rank {rank}: its worker died (its process or its node was lost)",
-                sorted(self.dead),
+                f"rank {dead[0]}: its worker died (its process or its node was lost)",
+                dead,
+                dead_nodes=nodes,
             )
         return AttemptOutcome()
 
@@ -311,6 +314,7 @@ class WarmPoolRunner:
                 self._kill(self.busy.pop(rank))
             else:
                 self.busy[rank].node, self.busy[rank].pid = answer
+        ending.nodes = {r: m.node for r, m in self.busy.items() if m.node is not None}
         if ending.dead:  # a node went while its new worker started: the others stay warm
             ending.failed(time.monotonic())
             self._return_finished(set(self.busy))

@@ -34,6 +34,9 @@ class AttemptOutcome:
     dead_ranks: list[int] = field(default_factory=list)
     # The error is the job's code failing to load (elastic.train.entrypoint.EntrypointError).
     code_error: bool = False
+    # rank -> node of the dead ranks the runner had placed: one that died before it
+    # registered with the supervisor (in its group's join) is known by this only.
+    dead_nodes: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -279,6 +279,8 @@ class JobLoop:
         # What the attempt's workers said is all weighed before deciding what its end means.
         self._deliver(self.arrivals.release_all())
         stopped_as = attempt.stop_cause
+        for rank, node in outcome.dead_nodes.items():
+            attempt.worker_nodes.setdefault(rank, node)
         found: set[str] = set()
         if stopped_as == EndCause.NODE_LOST or (stopped_as is None and outcome.error is not None):
             found = await self._lost_nodes(attempt, outcome.dead_ranks)

@@ -211,9 +211,12 @@ def test_a_job_survives_two_hosts_lost_a_moment_apart(
 
     events, killed_at = kill_mid_job(api, hosts, machine_share, mode, two_apart)
     sizes = [e["data"]["world_size"] for e in events if e["kind"] == "attempt_started"]
-    assert sizes == ([NODES] if mode == "in_place" else [NODES, 1]), sizes
+    # In restart mode the second loss falls before the next attempt or in its start,
+    # whichever comes first on the day: both are one loss, counted once.
+    assert sizes in ([[NODES]] if mode == "in_place" else [[NODES, 1], [NODES, 2, 1]]), sizes
     losses = [e["data"] for e in events if e["kind"] == "worker_lost"]
-    lost = [r for x in losses for r in (x["replicas"] if mode == "in_place" else x["ranks"])]
+    # A rank is the attempt's; a node is the cluster's, whichever attempt lost it.
+    lost = [r for x in losses for r in (x["replicas"] if mode == "in_place" else x["nodes"])]
     assert len(lost) == len(set(lost)) == 2 and losses[0]["from_world"] == NODES, losses
     metrics = [e for e in events if e["kind"] == "metrics"]
     print(f"{mode}, two hosts 0.3 s apart:", longest_pause_after(killed_at, metrics, 3.0))

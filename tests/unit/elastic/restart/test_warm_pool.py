@@ -209,7 +209,7 @@ def watching(answers: bool, node: NodeAnswer = NodeAnswer.UP, joined: bool = Tru
     runner._kill = killed.append  # type: ignore[method-assign,assignment]
     runner.probe = nodes.probe()
     runner.busy = {0: Member(survivor, None, "n0", 10), 1: Member(other, None, "n1", 11)}
-    ending = runner.ending = Ending()
+    ending = runner.ending = Ending(nodes={0: "n0", 1: "n1"})
     loop = asyncio.get_running_loop()
     runs: dict[asyncio.Future[object], int] = {loop.create_future(): 0, loop.create_future(): 1}
     wakes: set[asyncio.Future[Any]] = {asyncio.ensure_future(runner.signalled.wait())}
@@ -270,7 +270,9 @@ def test_a_worker_that_dies_before_it_joined_fails_the_attempt_at_once() -> None
         assert w.survivor.abandon.calls == [(ATTEMPT,)] and w.other.abandon.calls == []
         assert w.nodes.asked == ["n1"] and found < warm_pool.PING_S
         assert w.ending.outcome(stopped=False) == AttemptOutcome(
-            "rank 1: its worker died (its process or its node was lost)", [1]
+            "rank 1: its worker died (its process or its node was lost)",
+            [1],
+            dead_nodes={1: "n1"},  # the supervisor has no word of it from the worker yet
         )
         w.watch.cancel()
 
@@ -423,7 +425,7 @@ def test_after_the_supervisor_s_stop_a_dead_worker_is_still_found() -> None:
         w.runner.stop()
         await until(lambda: bool(w.ending.dead))
         assert w.ending.failed_at is None and w.ending.dead == {1}
-        assert w.ending.outcome(stopped=True) == AttemptOutcome(None, [1])
+        assert w.ending.outcome(stopped=True) == AttemptOutcome(None, [1], dead_nodes={1: "n1"})
         assert w.survivor.abandon.calls == w.other.abandon.calls == [(ATTEMPT,)]
         w.watch.cancel()
 
@@ -552,3 +554,49 @@ def test_a_worker_gives_up_only_the_attempt_it_runs() -> None:
     assert not worker.abandoned.is_set()
     worker.abandon(3)
     assert worker.abandoned.is_set()
+
+
+def test_a_worker_lost_before_it_registered_is_a_loss_of_its_node() -> None:
+    """Two nodes lost a moment apart: the second dies while the restart's group forms,
+    before its worker registered with the supervisor, and before the membership knows. The
+    runner names its node, so it is a second loss (not a failure that would wait for its
+    workers' release), and the next attempt starts at once without it."""
+
+    async def body() -> None:
+        cluster = FakeCluster(3)
+        h = Harness(cluster, max_restarts=0)
+        h.runner = WarmFakeRunner(cluster)
+        h.loop.runner = h.runner
+        h.loop.timing = Timing(poll_s=5, release_wait_s=5, reserve_s=0.01, start_s=30)
+        h.start()
+        await h.workers_start(1, step=1)
+        h.saved(1, 10)
+        first = h.runner.nodes[2]
+        h.capacity.silent.add(first)
+        h.runner.end(AttemptOutcome("rank 0: RuntimeError: Connection reset by peer", [2]))
+        assert (await h.attempt(2)).world_size == 2
+        second = h.runner.nodes[1]  # attempt 2's rank 1, not registered yet
+        h.capacity.silent.add(second)
+        began = time.monotonic()
+        h.runner.end(
+            AttemptOutcome(
+                "rank 1: its worker died (its process or its node was lost)",
+                [1],
+                dead_nodes={1: second},
+            )
+        )
+        spec = await h.attempt(3)
+        assert time.monotonic() - began < 1.0
+        assert spec == AttemptSpec(3, 1, "/c/step_10", frozenset({first, second}))
+        assert [(x["from_world"], x["nodes"], x["ranks"]) for x in h.of("worker_lost")] == [
+            (3, [first], [2]),
+            (2, [second], [1]),
+        ]
+        await h.workers_start(3, step=11)
+        (resized,) = h.of("resized")
+        assert (resized["from_world"], resized["to_world"], resized["attempts"]) == (3, 1, 2)
+        h.runner.end(AttemptOutcome())
+        await h.finish()
+        assert h.states() == ["starting", "running", "recovering", "running", "succeeded"]
+
+    run(body)
