@@ -462,6 +462,11 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     shrink, grow = [e["data"] for e in events(api, job["id"], "resized")]
     assert (shrink["from_world"], shrink["to_world"]) == (3, 2)
     assert (grow["from_world"], grow["to_world"], grow["steps_redone"]) == (2, 3, 0)
+    # The grow's pause, from its checkpoint to the first step at 3: the new worker was
+    # placed and warmed while the others trained (0.3-0.7 s measured, docs/benchmarks.md).
+    # A worker placed in the pause imports torch there (2.6-3.8 s before): the bound
+    # catches that.
+    assert grow["recovery_seconds"] < 2.0, grow
     # The goal is 10 s from the kill to the first step at 2 on this 2-core machine; the
     # bound leaves room for a loaded machine, not for a worker group started anew (~24 s).
     assert first_at_2 - killed_at < 15, first_at_2 - killed_at
