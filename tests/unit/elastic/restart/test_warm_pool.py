@@ -507,17 +507,24 @@ class WarmFakeRunner(FakeRunner):
         return outcome
 
 
+async def warm_job_at_step_10(cluster: FakeCluster) -> Harness:
+    """A restart-mode job on the warm pool, on every node of ``cluster``, with its
+    checkpoint of step 10 saved. Its loop's release wait and poll are far longer than any
+    test's bound, so that a wait on either would show."""
+    h = Harness(cluster, max_restarts=0)
+    h.runner = WarmFakeRunner(cluster)
+    h.loop.runner = h.runner
+    h.loop.timing = Timing(poll_s=5, release_wait_s=5, reserve_s=0.01, start_s=30)
+    h.start()
+    await h.workers_start(1, step=1)
+    h.saved(1, 10)
+    return h
+
+
 def test_a_loss_restarts_at_once_on_the_warm_survivors_without_waiting_for_release() -> None:
     async def body() -> None:
         cluster = FakeCluster(3)
-        h = Harness(cluster, max_restarts=0)
-        h.runner = WarmFakeRunner(cluster)
-        h.loop.runner = h.runner
-        # A release wait or a poll would show: both far longer than the test's bound.
-        h.loop.timing = Timing(poll_s=5, release_wait_s=5, reserve_s=0.01, start_s=30)
-        h.start()
-        await h.workers_start(1, step=1)
-        h.saved(1, 10)
+        h = await warm_job_at_step_10(cluster)
         dead = h.runner.nodes[1]
         h.capacity.silent.add(dead)  # the membership has not caught up yet
         began = time.monotonic()
@@ -563,14 +570,7 @@ def test_a_worker_lost_before_it_registered_is_a_loss_of_its_node() -> None:
     workers' release), and the next attempt starts at once without it."""
 
     async def body() -> None:
-        cluster = FakeCluster(3)
-        h = Harness(cluster, max_restarts=0)
-        h.runner = WarmFakeRunner(cluster)
-        h.loop.runner = h.runner
-        h.loop.timing = Timing(poll_s=5, release_wait_s=5, reserve_s=0.01, start_s=30)
-        h.start()
-        await h.workers_start(1, step=1)
-        h.saved(1, 10)
+        h = await warm_job_at_step_10(FakeCluster(3))
         first = h.runner.nodes[2]
         h.capacity.silent.add(first)
         h.runner.end(AttemptOutcome("rank 0: RuntimeError: Connection reset by peer", [2]))
