@@ -426,7 +426,10 @@ def test_a_restart_after_a_node_loss_trains_on_the_survivors_processes(
     (2 workers, from the newest checkpoint) runs in the surviving processes (both, but for a
     known outlier), not in new ones; the node added back brings one new worker beside them.
     Every sample once."""
-    steps = 160
+    # Long enough to outlast, after the kill, a node's start and its new worker's warm-up
+    # (it is placed and imports torch while the others train, before the grow's pause):
+    # 160 steps once ended at 2 workers on a loaded machine.
+    steps = 320
     job = api.post("/v1/jobs", json=elastic_job(steps)).json()
     wait_until(api, job["id"], lambda j: j["step"] >= 25 and j["world_size"] == 3, 180, "3 workers")
     before = warm_workers()

@@ -92,7 +92,10 @@ def replica_pids() -> list[int]:
     return sorted(pids)
 
 
-STEPS = 240
+# Long enough that after a node's loss and its return (a new replica imports torch and
+# heals in while the others train), a test still has steps left to stop a replica in:
+# 240 once ended first on a loaded machine.
+STEPS = 320
 # The uninterrupted run's final parameters and momentum, made once for the module's tests.
 _reference: dict[str, torch.Tensor] = {}
 
