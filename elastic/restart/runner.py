@@ -341,6 +341,8 @@ class WarmPoolRunner:
         lookout = asyncio.ensure_future(self._lookout(0))
         try:
             await asyncio.wait({opened, lookout}, return_when=asyncio.FIRST_COMPLETED)
+            if not opened.done() and lookout.exception() is not None:
+                await asyncio.wait({opened})  # the lookout failed, not the worker: Ray decides
         finally:
             lookout.cancel()
         if opened.done() and not isinstance(opened.exception(), ray.exceptions.RayError):
