@@ -22,12 +22,26 @@ CALL_TIMEOUT_S = 10.0
 Quotas = Mapping[str, Mapping[str, float | None]]
 
 
+# The scheduler's handle per namespace and cluster connection: looking it up places it on the
+# head node, a GCS read of every node, which was most of a read of ``GET /v1/queue``.
+_watchers: dict[tuple[str, object], Any] = {}
+
+
+async def _watcher(namespace: str, fresh: bool) -> Any:
+    from ray._private.worker import global_worker
+
+    key = (namespace, global_worker.current_cluster_and_job)
+    if fresh or key not in _watchers:
+        # Looking the actor up (or starting it) is a GCS call: off the event loop.
+        _watchers[key] = await asyncio.to_thread(shared_watcher, namespace)
+    return _watchers[key]
+
+
 async def _call(namespace: str, method: str, *args: Any, timeout_s: float) -> Any:
     """One call to the scheduler; if it died (killed, its node lost), ``shared_watcher``
     starts a new one, which is called once more."""
     for tries_left in (1, 0):
-        # Looking the actor up (or starting it) is a GCS call: off the event loop.
-        watcher = await asyncio.to_thread(shared_watcher, namespace)
+        watcher = await _watcher(namespace, fresh=not tries_left)
         try:
             return await asyncio.wait_for(getattr(watcher, method).remote(*args), timeout_s)
         except ray.exceptions.RayActorError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -115,9 +116,16 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     await _push_quotas(services.control)
     services.control.start()
     _build_middleware_stack(app)
+    # What start-up made (Ray, FastAPI, SQLAlchemy and their imports: 140 000 objects) lives
+    # as long as the service: out of the collector's sight, a full collection no longer
+    # scans it, and requests stop pausing 70-150 ms for one every few seconds.
+    gc.collect()
+    gc.freeze()
     try:
         yield
     finally:
+        # A process that builds another app after this one (the tests) collects this one's.
+        gc.unfreeze()
         await services.control.stop()
         services.store.close()
         if connected:

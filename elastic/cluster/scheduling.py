@@ -689,13 +689,37 @@ class QueueEntry:
     expected_start_s: float | None  # seconds from now, when knowable
 
 
-def queue(jobs: Sequence[JobRecord], placements: Mapping[str, Placement]) -> list[QueueEntry]:
-    """The waiting jobs in the order they would start, each with why it waits. The start
-    time is not predicted (None): it depends on when running jobs finish, which the
-    scheduler does not know."""
+def waiting_order(
+    jobs: Iterable[JobRecord], placements: Mapping[str, Placement]
+) -> list[JobRecord]:
+    """The waiting jobs in the order they would start: ``plan()``'s own order, highest
+    priority first, then first come first served."""
     waiting = [r for r in jobs if placements[r.demand.job_id].size == 0]
-    # plan()'s own order: highest priority first, then first come first served.
     waiting.sort(key=lambda r: (-r.demand.priority, r.demand.submitted_at, r.demand.job_id))
+    return waiting
+
+
+def queue(
+    jobs: Sequence[JobRecord],
+    placements: Mapping[str, Placement],
+    after_position: int = 0,
+    limit: int | None = None,
+) -> list[QueueEntry]:
+    """The waiting jobs in the order they would start, each with why it waits: those after
+    ``after_position``, at most ``limit``. The start time is not predicted (None): it
+    depends on when running jobs finish, which the scheduler does not know."""
+    return queue_page(waiting_order(jobs, placements), placements, after_position, limit)
+
+
+def queue_page(
+    waiting: Sequence[JobRecord],
+    placements: Mapping[str, Placement],
+    after_position: int = 0,
+    limit: int | None = None,
+) -> list[QueueEntry]:
+    """:func:`queue` of an order :func:`waiting_order` gave: only the page's entries are
+    built, so that a page of a long queue costs its own length."""
+    end = None if limit is None else after_position + limit
     return [
         QueueEntry(
             job_id=r.demand.job_id,
@@ -705,7 +729,7 @@ def queue(jobs: Sequence[JobRecord], placements: Mapping[str, Placement]) -> lis
             reason=placements[r.demand.job_id].reason,
             expected_start_s=None,
         )
-        for i, r in enumerate(waiting, start=1)
+        for i, r in enumerate(waiting[after_position:end], start=after_position + 1)
     ]
 
 

@@ -83,6 +83,37 @@ def test_throughput_is_kept_per_size_and_nonsense_is_ignored() -> None:
     assert book.jobs["j"].throughput == {2: 80.0} and book.jobs["j"].demand.priority == 100
 
 
+def test_the_queue_shown_follows_every_change_of_the_books() -> None:
+    """The queue's order is kept between plans (reads far outnumber changes): every read
+    still shows each booking, cancel and start, and a page numbers its entries from where
+    it starts."""
+    book = SchedulerBook()
+    book.register(demand("running", lo=3, hi=3), now=0.0)
+    rows = [demand(f"row-{i}", lo=2, hi=2, at=float(i + 1)) for i in range(4)]
+    book.hold_rows(rows, now=1.0)
+    book.replan(NODES, now=1.0)
+
+    def shown(after_position: int = 0, limit: int | None = None) -> list[tuple[str, int]]:
+        page = book.view(after_position, limit)["queue"]
+        return [(e["job_id"], e["position"]) for e in page]
+
+    assert shown() == [("row-0", 1), ("row-1", 2), ("row-2", 3), ("row-3", 4)]
+    assert shown(1, 2) == [("row-1", 2), ("row-2", 3)]
+    assert shown(1, 2) == [("row-1", 2), ("row-2", 3)]  # read again: the same
+    assert book.unregister("row-1")  # cancelled
+    assert shown() == [("row-0", 1), ("row-2", 2), ("row-3", 3)]
+    assert book.view()["waiting"] == 3
+    late = demand("late", lo=2, hi=2, at=9.0)
+    assert book.hold_rows([rows[0], rows[2], rows[3], late], now=2.0)
+    book.replan(NODES, now=2.0)
+    assert shown(2) == [("row-3", 3), ("late", 4)]
+    assert book.unregister("running")
+    book.replan(NODES, now=3.0)  # row-0 starts
+    assert shown() == [("row-2", 1), ("row-3", 2), ("late", 3)]
+    view = book.view()
+    assert (view["waiting"], [r["job_id"] for r in view["running"]]) == (3, ["row-0"])
+
+
 def test_with_nobody_waiting_idle_workers_go_to_a_job_measured_not_to_gain() -> None:
     """A noisy measurement (no faster at 3 than at 1) must not keep a job alone on an idle
     cluster from growing back: the workers would sit idle for nobody."""
