@@ -69,7 +69,8 @@ def seed_store(url: str, count: int) -> list[str]:
 
     store = Store(url)
     start = datetime.now(UTC) - timedelta(days=1)
-    jobs, events = [], []
+    jobs: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     for i in range(count):
         at = start + timedelta(seconds=i)
         job_id = new_job_id()
@@ -107,7 +108,7 @@ def seed_store(url: str, count: int) -> list[str]:
         s.execute(insert(JobRow), jobs)
         s.execute(insert(EventRow), events)
     store.close()
-    return [j["id"] for j in jobs]
+    return [str(j["id"]) for j in jobs]
 
 
 @contextmanager

@@ -10,19 +10,27 @@ of 50 jobs, the scheduler's queue. Prints a table with the memory and processes 
 queued job added, and draws them (--plot). Target: 1 000 queued jobs add at most 200 MB and
 0 processes, with the API's p99 under 50 ms.
 
+Then, with the queue empty, it runs --running jobs at once (each one worker with a tenth of a
+CPU, running a command that sleeps: what a job costs the control plane, not its training),
+and reports the memory each running job adds, proportional set size (PSS, so that pages
+shared between processes count once), split into the job's supervisor (on the head node in
+a cluster) and its worker (on a worker node in a cluster; here the one node is both), with
+the API's latency while they run. Target: under 60 MB of the head per running job.
+
 It also times first steps (--starts of each): of a job submitted to the idle cluster right
 after another one ended (its supervisor starts at the submission), from its submission; and
 of the first queued job once the job ahead of it is cancelled (its supervisor starts then),
 from the cancel's answer. Loopback only.
 
     .venv/bin/python -m bench.control_plane [--levels 0,100,250,500,1000] [--reads 100]
-        [--starts 3] [--plot docs/img/control_plane.png]
+        [--starts 3] [--running 20] [--plot docs/img/control_plane.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import tempfile
 import time
 from datetime import datetime
@@ -48,6 +56,16 @@ def job(name: str, max_steps: int) -> dict[str, Any]:
         },
         "scaling": {"min_workers": 2, "max_workers": 2, "cpus_per_worker": 1},
         "checkpoint": {"every_steps": 1000, "keep": 1},
+    }
+
+
+def sleeper(name: str) -> dict[str, Any]:
+    """A running job that costs the control plane only: one worker with a tenth of a CPU,
+    whose command sleeps."""
+    return {
+        "name": name,
+        "command": ["python", "-c", "import time; time.sleep(3600)"],
+        "scaling": {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 0.1},
     }
 
 
@@ -81,6 +99,54 @@ def rss_mb(pids: list[int]) -> float:
             if line.startswith("VmRSS:"):
                 total += int(line.split()[1])
     return total / 1024
+
+
+def pss_mb(pids: list[int]) -> dict[str, float]:
+    """Proportional set size (MB) of these processes by kind: the jobs' supervisors, and
+    everything else."""
+    out = {"supervisors": 0.0, "rest": 0.0}
+    for pid in pids:
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        kb = sum(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+        out["supervisors" if title.startswith("ray::Supervisor") else "rest"] += kb / 1024
+    return out
+
+
+def running_jobs(
+    api: httpx.Client, server: subprocess.Popen[bytes], count: int, reads: int
+) -> dict[str, float]:
+    """Memory and API latency with ``count`` jobs running at once, against the idle
+    cluster; every job is cancelled after."""
+    before = pss_mb(tree(server.pid))
+    ids = [api.post("/v1/jobs", json=sleeper(f"running-{i}")).json()["id"] for i in range(count)]
+    deadline = time.monotonic() + 60 + 10 * count
+    while True:
+        states = [api.get(f"/v1/jobs/{j}").json()["state"] for j in ids]
+        if all(state == "running" for state in states):
+            break
+        if time.monotonic() > deadline or any(x in ("failed", "cancelled") for x in states):
+            raise SystemExit(f"the running jobs never all ran: {sorted(set(states))}")
+        time.sleep(1.0)
+    time.sleep(5.0)  # their starts' leftovers (a GC, the first metrics) are counted too
+    pids = tree(server.pid)
+    after = pss_mb(pids)
+    timed = timed_reads(api, ids[0], reads)
+    for job_id in ids:
+        cancel(api, job_id)
+    row = {
+        "running": float(count),
+        "processes": float(len(pids)),
+        "supervisor_mb": (after["supervisors"] - before["supervisors"]) / count,
+        "rest_mb": (after["rest"] - before["rest"]) / count,
+    }
+    for kind, ms in timed.items():
+        row[f"{kind}_p50"] = statistics.median(ms)
+        row[f"{kind}_p99"] = percentile(ms, 99)
+    return row
 
 
 def timed_reads(api: httpx.Client, job_id: str, reads: int) -> dict[str, list[float]]:
@@ -158,10 +224,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8767)
     parser.add_argument("--plot", type=Path, help="write the plot here (PNG)")
     parser.add_argument("--starts", type=int, default=3, help="timed starts of each kind")
+    parser.add_argument("--running", type=int, default=20, help="jobs run at once (0: none)")
     args = parser.parse_args()
     levels = sorted(int(x) for x in args.levels.split(","))
 
     rows: list[dict[str, float]] = []
+    running: dict[str, float] | None = None
     idle_starts: list[float] = []
     admitted_starts: list[float] = []
     with tempfile.TemporaryDirectory(prefix="etrain-control-plane-") as data:
@@ -218,6 +286,9 @@ def main() -> None:
                     admitted_starts.append(first_step_at(api, line) - ended)
                     ahead = line
                 cancel(api, ahead)
+                if args.running:
+                    settle(api, 0)
+                    running = running_jobs(api, server, args.running, args.reads)
         finally:
             server.terminate()
             server.wait(60)
@@ -251,6 +322,17 @@ def main() -> None:
         f"{args.starts}: submitted to the idle cluster {_spread(idle_starts)} s after the "
         f"submission; queued, {_spread(admitted_starts)} s after the job ahead was cancelled"
     )
+    if running is not None:
+        cells = [
+            f"{running[f'{k}_p50']:.1f}/{running[f'{k}_p99']:.1f}" for k in ("job", "page", "queue")
+        ]
+        print(
+            f"\n{running['running']:.0f} jobs running at once: per job, "
+            f"{running['supervisor_mb']:.0f} MB of supervisor (the head's share in a cluster) "
+            f"and {running['rest_mb']:.0f} MB of the rest (its worker and command); "
+            f"{running['processes']:.0f} processes; job/page/queue p50/p99 ms {' '.join(cells)} "
+            "(target: under 60 MB of the head per running job)"
+        )
     if args.plot is not None:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")
