@@ -122,14 +122,23 @@ def running_jobs(
     """Memory and API latency with ``count`` jobs running at once, against the idle
     cluster; every job is cancelled after."""
     before = pss_mb(tree(server.pid))
-    ids = [api.post("/v1/jobs", json=sleeper(f"running-{i}")).json()["id"] for i in range(count)]
+    ids = []
+    for i in range(count):
+        answer = api.post("/v1/jobs", json=sleeper(f"running-{i}"))
+        if answer.status_code not in (200, 201):
+            raise SystemExit(f"the running job was refused: {answer.status_code} {answer.text}")
+        ids.append(answer.json()["id"])
     deadline = time.monotonic() + 60 + 10 * count
     while True:
         states = [api.get(f"/v1/jobs/{j}").json()["state"] for j in ids]
         if all(state == "running" for state in states):
             break
         if time.monotonic() > deadline or any(x in ("failed", "cancelled") for x in states):
-            raise SystemExit(f"the running jobs never all ran: {sorted(set(states))}")
+            events = api.get(f"/v1/jobs/{ids[0]}/events", params={"limit": 20}).json()["items"]
+            raise SystemExit(
+                f"the running jobs never all ran: {sorted(set(states))}; the first one's "
+                f"events: {[(e['kind'], e['data']) for e in events]}"
+            )
         time.sleep(1.0)
     time.sleep(5.0)  # their starts' leftovers (a GC, the first metrics) are counted too
     pids = tree(server.pid)
@@ -173,6 +182,19 @@ def settle(api: httpx.Client, queued: int, timeout_s: float = 120.0) -> None:
             raise SystemExit(f"the scheduler never showed {queued} queued jobs")
         time.sleep(0.5)
     time.sleep(2.0)  # what the rows left behind (a GC, a log line) is counted too
+
+
+def idle(api: httpx.Client, timeout_s: float = 120.0) -> None:
+    """Until the scheduler holds no job, waiting or running."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = api.get("/v1/queue").json()
+        if not view["waiting"] and not view["running"]:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit("the cluster never emptied")
+        time.sleep(0.5)
+    time.sleep(2.0)  # the ended jobs' workers go back to Ray
 
 
 def first_step_at(api: httpx.Client, job_id: str, timeout_s: float = 180.0) -> float:
@@ -238,7 +260,9 @@ def main() -> None:
             {
                 "ETRAIN_DATA_DIR": data,
                 "ETRAIN_PORT": str(args.port),
-                "ETRAIN_USER_MAX_ACTIVE_JOBS": str(max(levels) + 10),
+                "ETRAIN_USER_MAX_ACTIVE_JOBS": str(max(levels) + args.running + 10),
+                # The running jobs' workers take a tenth of a CPU each.
+                "ETRAIN_MIN_CPUS_PER_WORKER": "0.1",
             }
         )
         try:
@@ -261,10 +285,12 @@ def main() -> None:
                     time.sleep(0.5)
                 timed_reads(api, blocker, 10)  # the first reads build caches: untimed
                 queued = 0
+                waiting: list[str] = []
                 for level in levels:
                     while queued < level:
                         answer = api.post("/v1/jobs", json=job(f"queued-{queued}", 10_000_000))
                         answer.raise_for_status()
+                        waiting.append(answer.json()["id"])
                         queued += 1
                     settle(api, queued)
                     pids = tree(server.pid)
@@ -287,7 +313,10 @@ def main() -> None:
                     ahead = line
                 cancel(api, ahead)
                 if args.running:
-                    settle(api, 0)
+                    # The cluster emptied: what still waits is cancelled first.
+                    for job_id in waiting:
+                        api.post(f"/v1/jobs/{job_id}/cancel")  # 409 for one that ended
+                    idle(api)
                     running = running_jobs(api, server, args.running, args.reads)
         finally:
             server.terminate()
