@@ -217,9 +217,10 @@ def ray_cluster() -> Iterator[ClusterPool]:
     import ray
     from ray.cluster_utils import Cluster
 
-    from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback
+    from jobs.launcher import FAST_FAILURE_DETECTION, keep_ray_on_loopback, worker_setup
 
     keep_ray_on_loopback()  # tests talk to no address but loopback
+    os.environ.update(worker_setup())  # as the embedded cluster's processes start
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

@@ -80,8 +80,8 @@ def _image_env() -> dict[str, str]:
     return env
 
 
-def _listening_addresses(root_pid: int) -> set[str]:
-    """host:port of every listening TCP socket held by ``root_pid`` or its descendants."""
+def _process_tree(root_pid: int) -> set[int]:
+    """``root_pid`` and its descendants."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -95,8 +95,33 @@ def _listening_addresses(root_pid: int) -> set[str]:
         pid = todo.pop()
         tree.add(pid)
         todo.extend(children.get(pid, []))
+    return tree
+
+
+# Libraries that Ray's serialization add-ons load into every worker process, and that the
+# embedded cluster's worker set-up hook keeps out (elastic/process_setup.py).
+ADD_ON_LIBRARIES = ("pydantic_core", "libarrow")
+
+
+def _supervisor_libraries(root_pid: int) -> dict[int, set[str]]:
+    """Of the supervisors' processes under ``root_pid``: pid -> the add-on libraries
+    mapped into it."""
+    found: dict[int, set[str]] = {}
+    for pid in _process_tree(root_pid):
+        try:
+            if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Supervisor"):
+                continue
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        found[pid] = {name for name in ADD_ON_LIBRARIES if name in maps}
+    return found
+
+
+def _listening_addresses(root_pid: int) -> set[str]:
+    """host:port of every listening TCP socket held by ``root_pid`` or its descendants."""
     inodes: set[str] = set()
-    for pid in tree:
+    for pid in _process_tree(root_pid):
         try:
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 try:
@@ -290,9 +315,12 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
     try:
         deadline = time.monotonic() + 240
         seen: set[str] = set()
+        supervisors: dict[int, set[str]] = {}
         while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL_STATES:
             # While the job trains, its workers are in the process tree too.
             seen |= _listening_addresses(proc.pid)
+            if job["state"] == "running":
+                supervisors.update(_supervisor_libraries(proc.pid))
             assert time.monotonic() < deadline, job
             time.sleep(1)
         assert job["state"] == "succeeded", job
@@ -304,6 +332,10 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
     assert seen, "found no listening sockets at all: the check would prove nothing"
     exposed = sorted(a for a in seen if not a.startswith(LOOPBACK))
     assert exposed == [], f"listening beyond loopback: {exposed}"
+    # The job's supervisor, the head's cost of a running job, ran without the libraries
+    # Ray's serialization add-ons load (a third of its memory).
+    assert len(supervisors) == 1, supervisors
+    assert list(supervisors.values()) == [set()], supervisors
 
 
 # Ray's per-node agents notice their raylet is gone only after about a minute; they hold
