@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from jobs.launcher import FAST_FAILURE_DETECTION
+from jobs.launcher import FAST_FAILURE_DETECTION, worker_setup
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -553,6 +553,8 @@ def test_raycluster_defaults() -> None:
             for name in env
             if name.startswith("RAY_health_check_")
         } == FAST_FAILURE_DETECTION, group
+        # Its worker processes start with the same set-up hook as the service's own Ray's.
+        assert {name: env[name]["value"] for name in worker_setup()} == worker_setup(), group
         assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {
             "secretKeyRef": {"name": RAY_CLUSTER, "key": "auth_token"}
         }, group

@@ -224,6 +224,11 @@ Env of every Ray container: Ray token auth, a writable HOME, extra env.
   value: "1000"
 - name: RAY_health_check_failure_threshold
   value: "3"
+{{- /* Every Ray worker process runs elastic/process_setup.py's hook first, as on the
+  service's own Ray (jobs/launcher.py's worker_setup): its serialization context without
+  Ray's add-ons for types our processes never send, 25 MB less per process. */}}
+- name: __RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+  value: elastic.process_setup.lean_serialization
 {{- with .Values.ray.kuberay.extraEnv }}
 {{ toYaml . }}
 {{- end }}
