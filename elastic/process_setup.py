@@ -1,7 +1,7 @@
-"""Set-up of every Ray worker process of the embedded cluster, before Ray runs anything in
-it: Ray's worker process set-up hook, named in the environment Ray's processes start with
-(``jobs.launcher.connect``). Imports nothing at module level: a hook that fails to import
-ends every worker."""
+"""Set-up of every Ray worker process, before Ray runs anything in it: Ray's worker process
+set-up hook, named in the environment a Ray instance starts with (``jobs.launcher.
+worker_setup``: the embedded Ray, the test suite's cluster, the Helm chart's Ray pods).
+Imports nothing at module level: a hook that fails to import ends every worker."""
 
 from __future__ import annotations
 

@@ -699,16 +699,11 @@ def waiting_order(
     return waiting
 
 
-def queue(
-    jobs: Sequence[JobRecord],
-    placements: Mapping[str, Placement],
-    after_position: int = 0,
-    limit: int | None = None,
-) -> list[QueueEntry]:
-    """The waiting jobs in the order they would start, each with why it waits: those after
-    ``after_position``, at most ``limit``. The start time is not predicted (None): it
-    depends on when running jobs finish, which the scheduler does not know."""
-    return queue_page(waiting_order(jobs, placements), placements, after_position, limit)
+def queue(jobs: Sequence[JobRecord], placements: Mapping[str, Placement]) -> list[QueueEntry]:
+    """The waiting jobs in the order they would start, each with why it waits. The start
+    time is not predicted (None): it depends on when running jobs finish, which the
+    scheduler does not know."""
+    return queue_page(waiting_order(jobs, placements), placements)
 
 
 def queue_page(
