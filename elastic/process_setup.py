@@ -5,11 +5,59 @@ Imports nothing at module level: a hook that fails to import ends every worker."
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 # Ray's worker process imports and calls it at start ("module.function"), when it is named
 # in the environment under ``ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR``.
-SETUP_HOOK = "elastic.process_setup.lean_serialization"
+SETUP_HOOK = "elastic.process_setup.set_up"
+
+# Set (to PRELOAD_TRAINING) in the runtime env of the processes that train
+# (``elastic.warm_processes.TRAINING_ENV``): the hook imports what training needs before the
+# process is handed to an actor, so that a process waiting in a node's pool has done it.
+PRELOAD = "ETRAIN_PRELOAD"
+PRELOAD_TRAINING = "training"
+# torch and the optimizer's lazy ``torch._dynamo`` (over a second each, in a new process),
+# then both modes' training contexts and torchft. None of them touches CUDA: a pool's
+# process is handed to an actor before it learns which GPU is its (``CUDA_VISIBLE_DEVICES``
+# is set for the actor and read at CUDA's first use).
+TRAINING_MODULES = (
+    "torch",
+    "torch._dynamo",
+    "torchft",
+    "elastic.train.context",
+    "elastic.in_place.context",
+)
+
+# Whether this process was started for a node's pool (with no job of its own), not for an
+# actor that was waiting for it: when an actor takes it, a new one is started in its place.
+from_pool = False
+
+
+def set_up() -> None:
+    """Every worker process: a lean serialization context; a training process also imports
+    what training needs."""
+    global from_pool
+    lean_serialization()
+    if os.environ.get(PRELOAD) == PRELOAD_TRAINING:
+        # Ray gives a process started ahead of any lease the nil job id.
+        from_pool = set(os.environ.get("RAY_JOB_ID", "f")) == {"f"}
+        preload(TRAINING_MODULES)
+
+
+def preload(modules: tuple[str, ...]) -> None:
+    import gc
+    import importlib
+    import logging
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the actor's own import reports it where it is seen
+            logging.getLogger(__name__).warning("preloading %s: %r", name, e)
+    # What was imported lives as long as the process: out of the collector's sight.
+    gc.collect()
+    gc.freeze()
 
 
 def lean_serialization() -> None:

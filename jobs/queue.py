@@ -62,6 +62,12 @@ async def push_quotas(
     await _call(namespace, "set_quotas", body, knobs, timeout_s=timeout_s)
 
 
+async def keep_warm(namespace: str, per_node: int, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Have the scheduler keep ``per_node`` processes ready to train on each node
+    (``elastic/warm_processes.py``)."""
+    await _call(namespace, "keep_warm", per_node, timeout_s=timeout_s)
+
+
 async def queue_view(
     namespace: str,
     after_position: int = 0,

@@ -19,6 +19,7 @@ import ray
 from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from elastic import warm_processes
 from elastic.cluster.books import SchedulerBook
 from elastic.cluster.reservation import Reservation
 from elastic.cluster.scheduling import Demand, Knobs, Placement, workers_that_fit
@@ -210,6 +211,33 @@ class MembershipWatcher:
         # checkpoint directory -> the live nodes that showed they share it (see
         # elastic.checkpoint.storage.unshared_checkpoint_dir)
         self.sharing: dict[str, set[str]] = {}
+        # Processes each node keeps ready to train (elastic/warm_processes.py); 0 until the
+        # service says (``keep_warm``).
+        self.warm_per_node = 0
+
+    async def keep_warm(self, per_node: int) -> None:
+        """Keep ``per_node`` processes ready on each node: the nodes seen from now on, and
+        those alive now whose pool was never filled."""
+        self.warm_per_node = per_node
+        await self._ensure_watching()
+        await self._warm(self.current.alive)
+
+    async def _warm(self, new_nodes: frozenset[str]) -> None:
+        if self.warm_per_node <= 0 or not new_nodes:
+            return
+        namespace = ray.get_runtime_context().namespace
+        per_node = self.warm_per_node
+        try:
+            filled = await asyncio.to_thread(
+                lambda: warm_processes.fill(
+                    [n for n in ray.nodes() if str(n["NodeID"]) in new_nodes], per_node, namespace
+                )
+            )
+        except Exception:
+            log.exception("filling the nodes' pools of ready processes failed")
+            return
+        if filled:
+            log.info("started ready processes on nodes %s", filled)
 
     async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:
         self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S, owner)
@@ -286,6 +314,7 @@ class MembershipWatcher:
             return
         self.current = Snapshot(c.version + 1, frozenset(alive), free, draining)
         if alive != c.alive:
+            await self._warm(frozenset(alive - c.alive))
             self.sharing = {
                 root: live for root, nodes in self.sharing.items() if (live := nodes & alive)
             }

@@ -10,6 +10,7 @@ from typing import Any
 
 import ray
 
+from elastic import warm_processes
 from elastic.arrivals import Outbox
 from elastic.checkpoint.directory import CheckpointDir
 from elastic.events import EventKind
@@ -41,6 +42,7 @@ class Replica:
         self.outcome: str | BaseException | None = None
         # Its node's raylet gone, it ends at once (not at Ray's check a second later).
         die_with_parent()
+        warm_processes.replace_taken()
 
     def result(self) -> str:
         """How its ``run`` ended, once it has: "finished" (it wrote the final checkpoint),

@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from elastic import warm_processes
 from elastic.cluster.reservation import Reservation
 from elastic.in_place.fence import fence
 from elastic.in_place.lighthouse import HOST_NAME, lighthouse_host
@@ -111,7 +112,7 @@ class InPlaceRunner:
             namespace=self.namespace,
             lifetime="detached",
             **placement(self.plan["resources_per_worker"]),
-            runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}},
+            runtime_env=warm_processes.TRAINING_ENV,  # a node's ready process
         ).remote()
         self.actors[index] = actor
         timeout_s = float(self.plan["collective_timeout_s"])

@@ -40,6 +40,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from elastic import warm_processes
 from elastic.cluster.reservation import Reservation
 from elastic.restart.node_probe import NodeAnswer, NodeProbe
 from elastic.restart.worker import WarmWorker
@@ -247,6 +248,7 @@ class WarmPoolRunner:
         options = placement(self.plan["resources_per_worker"])
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, 0)
+        options["runtime_env"] = warm_processes.TRAINING_ENV  # a node's ready process
         actor = WarmWorker.options(**options).remote()  # type: ignore[attr-defined]
         return Member(actor, actor.warm.remote(self.plan["train_loop"]), group=group)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from elastic import warm_processes
 from elastic.arrivals import Outbox
 from elastic.events import EventKind
 from elastic.train.entrypoint import EntrypointError, last_line, resolve
@@ -73,6 +74,7 @@ class WarmWorker:
         # survivors' collectives fail now, and the attempt ends on that.
         die_with_parent()
         bind_gloo_to(ray.util.get_node_ip_address())
+        warm_processes.replace_taken()
 
     def warm(self, train_loop: str) -> tuple[str, int]:
         """Import what every attempt needs, once; returns (node id, pid)."""

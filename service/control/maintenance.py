@@ -68,7 +68,8 @@ class Maintenance:
             )
 
     async def push_quotas(self) -> None:
-        """Tell the scheduler every user's quota (workers, GPUs) as the store has them now."""
+        """Tell the scheduler every user's quota (workers, GPUs) as the store has them now, and
+        how many processes each node keeps ready to train."""
         async with self._quotas_lock:
             overrides = await asyncio.to_thread(self.store.all_user_limits)
             await queue.push_quotas(
@@ -78,6 +79,9 @@ class Maintenance:
                     dwell_s=self.settings.scheduler_dwell_s,
                     starvation_s=self.settings.scheduler_starvation_s,
                 ),
+            )
+            await queue.keep_warm(
+                self.settings.ray_namespace, self.settings.warm_processes_per_node
             )
 
     async def keep_quotas_pushed(self) -> None:

@@ -338,6 +338,68 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
     assert list(supervisors.values()) == [set()], supervisors
 
 
+def _ready_processes(root_pid: int) -> set[int]:
+    """The node's pool under ``root_pid``: idle Ray worker processes started to train
+    (elastic/warm_processes.py) that have imported torch."""
+    found = set()
+    for pid in _process_tree(root_pid):
+        try:
+            idle = Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::IDLE")
+            training = b"ETRAIN_PRELOAD=training\0" in Path(f"/proc/{pid}/environ").read_bytes()
+            if idle and training and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
+                found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _replica_processes(root_pid: int) -> set[int]:
+    found = set()
+    for pid in _process_tree(root_pid):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Replica"):
+                found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for_pool(root_pid: int, size: int, timeout_s: float = 90.0) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while len(ready := _ready_processes(root_pid)) != size:
+        assert time.monotonic() < deadline, f"the pool holds {sorted(ready)}, not {size}"
+        time.sleep(0.5)
+    return ready
+
+
+def test_a_jobs_workers_start_in_the_nodes_ready_processes_which_are_never_reused(
+    service: Service,
+) -> None:
+    proc = service.proc
+    assert proc is not None
+    api = httpx.Client(
+        base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+    )
+    # The node (2 CPUs) keeps 2 processes ready, torch imported (the default).
+    pool = _wait_for_pool(proc.pid, 2)
+    r = api.post("/v1/jobs", json=small_job())
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    replicas: set[int] = set()
+    deadline = time.monotonic() + 240
+    while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL_STATES:
+        replicas |= _replica_processes(proc.pid)
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    assert job["state"] == "succeeded", job
+    # Its two workers ran in the two processes that were ready before it was submitted.
+    assert replicas == pool
+    # Each was replaced: the pool is back to 2, all new processes; the used ones are gone.
+    refilled = _wait_for_pool(proc.pid, 2)
+    assert refilled.isdisjoint(pool)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pool)
+
+
 # Ray's per-node agents notice their raylet is gone only after about a minute; they hold
 # no job state and train nothing.
 SLOW_TO_EXIT = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")

@@ -228,7 +228,7 @@ Env of every Ray container: Ray token auth, a writable HOME, extra env.
   service's own Ray (jobs/launcher.py's worker_setup): its serialization context without
   Ray's add-ons for types our processes never send, 25 MB less per process. */}}
 - name: __RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-  value: elastic.process_setup.lean_serialization
+  value: elastic.process_setup.set_up
 {{- with .Values.ray.kuberay.extraEnv }}
 {{ toYaml . }}
 {{- end }}
