@@ -18,7 +18,9 @@ SETUP_HOOK = "elastic.process_setup.set_up"
 PRELOAD = "ETRAIN_PRELOAD"
 PRELOAD_TRAINING = "training"
 # torch and the optimizer's lazy ``torch._dynamo`` (over a second each, in a new process),
-# then both modes' training contexts and torchft. None of them touches CUDA: a pool's
+# then both modes' training contexts and torchft, and the supervisor's actor class, which a
+# worker unpickles (importing its modules) when it looks its supervisor up. None of them
+# touches CUDA: a pool's
 # process is handed to an actor before it learns which GPU is its (``CUDA_VISIBLE_DEVICES``
 # is set for the actor and read at CUDA's first use).
 TRAINING_MODULES = (
@@ -27,10 +29,12 @@ TRAINING_MODULES = (
     "torchft",
     "elastic.train.context",
     "elastic.in_place.context",
+    "elastic.supervisor.actor",
 )
 
-# Whether this process was started for a node's pool (with no job of its own), not for an
-# actor that was waiting for it: when an actor takes it, a new one is started in its place.
+# Whether this process was started ahead of any job (for a node's pool, ``elastic.
+# warm_processes``), not for an actor that was waiting for it: when a job's actor takes it,
+# a new one is started in its place.
 from_pool = False
 
 
@@ -39,9 +43,9 @@ def set_up() -> None:
     what training needs."""
     global from_pool
     lean_serialization()
+    # Ray gives a process started ahead of any lease the nil job id.
+    from_pool = set(os.environ.get("RAY_JOB_ID", "f")) == {"f"}
     if os.environ.get(PRELOAD) == PRELOAD_TRAINING:
-        # Ray gives a process started ahead of any lease the nil job id.
-        from_pool = set(os.environ.get("RAY_JOB_ID", "f")) == {"f"}
         preload(TRAINING_MODULES)
 
 

@@ -1,21 +1,24 @@
-"""Processes that train, started ahead of the jobs: each node keeps a few idle Ray worker
-processes that have imported torch (``elastic.process_setup``), and a job's worker actor
-takes one instead of starting a process and importing torch itself (3-4 s on 2 cores).
+"""Processes started ahead of the jobs. Each node keeps a few idle Ray worker processes that
+have imported torch (``elastic.process_setup``), and a job's worker actor takes one instead
+of starting a process and importing torch itself (3-4 s on 2 cores); the head node also
+keeps a few plain ones, and a job's supervisor takes one instead of starting a process
+(0.8 s on 2 cores).
 
-The pool is the raylet's own: the processes are started through its ``PrestartWorkers``
-call with :data:`TRAINING_ENV` as their runtime env, and an actor created with the same
-runtime env is given one of them. A process hosts one actor and ends with it, so no
-process that ran one job's code is handed to another job. The processes hold no Ray
-resources (a CPU or GPU is taken by the actor that takes a process) and no GPU memory.
+The pools are the raylets' own: the processes are started through a raylet's
+``PrestartWorkers`` call with the runtime env of their :class:`Kind`, and an actor created
+with the same runtime env is given one of them. A process hosts one actor and ends with it,
+so no process that ran one job's code is handed to another job. An idle process holds no
+Ray resources (a CPU or GPU is taken by the actor that takes it) and no GPU memory.
 
-The scheduler's actor fills a node's pool once, when it first sees the node
-(:func:`fill`); each actor that takes a process from the pool asks its raylet for another
+The scheduler's actor fills a node's pools once, when it first sees the node (:func:`fill`);
+each actor that takes a process from a pool has the scheduler start another in its place
 (:func:`replace_taken`). A job whose supervisor has a runtime env of its own (object-store
 checkpoints, MLflow) gives its workers a different one, and Ray then starts new processes
-for them, as it did before the pool."""
+for them, as it did before the pools."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -24,31 +27,54 @@ from elastic import process_setup
 
 log = logging.getLogger(__name__)
 
-# The runtime env of every process that trains (both modes' worker actors). Ray Train's
-# print patch is read by its own worker group only; it is off here so that a replica's
-# prints go to the job's log as they are.
+
+class Kind(enum.Enum):
+    """What a pool's processes are for."""
+
+    TRAINING = "training"  # both modes' worker actors: torch imported
+    SUPERVISOR = "supervisor"  # jobs' supervisors, on the head node: nothing more imported
+
+
+# The runtime env of every process that trains. Ray Train's print patch is read by its own
+# worker group only; it is off here so that a replica's prints go to the job's log as they
+# are.
 TRAINING_ENV: dict[str, Any] = {
     "env_vars": {
         process_setup.PRELOAD: process_setup.PRELOAD_TRAINING,
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     }
 }
-# How long an idle process of the pool is kept from Ray's idle-worker reaper (which keeps
-# at most as many idle processes as the node has free CPUs).
+RUNTIME_ENVS: dict[Kind, dict[str, Any]] = {Kind.TRAINING: TRAINING_ENV, Kind.SUPERVISOR: {}}
+# How long an idle process of a pool is kept from Ray's idle-worker reaper (which keeps at
+# most as many idle processes as the node has free CPUs).
 KEEP_ALIVE_S = 30 * 24 * 3600
-# The default number of processes each node keeps ready (the service's
+# A process taken from a pool is replaced this long after, once the start of the job that
+# took it is over (a new process beside that start would slow it).
+REPLACE_AFTER_S = 3.0
+# The default number of processes each pool keeps ready (the service's
 # ``ETRAIN_WARM_PROCESSES_PER_NODE``).
 DEFAULT_PER_NODE = 2
+# The cluster's scheduler (elastic/cluster/capacity.py's membership watcher), a named actor
+# that any process finds, a worker among them (which imports nothing of the cluster's).
+SCHEDULER_NAME = "etrain-membership"
+# Ray's resource that only the head node has.
+HEAD_RESOURCE = "node:__internal_head__"
 
 
-def pool_size(wanted: int, node_total: Mapping[str, float]) -> int:
-    """How many processes a node keeps: ``wanted``, but no more than the workers of one CPU
-    it can run at once (a node with no CPU of its own, a head that only supervises, none)."""
-    return max(0, min(wanted, int(node_total.get("CPU", 0.0))))
+def pool_sizes(wanted: int, node_total: Mapping[str, float]) -> dict[Kind, int]:
+    """How many processes a node keeps ready, by kind: ``wanted`` that train, but no more
+    than the workers of one CPU the node can run at once (a node with no CPU of its own, a
+    head that only supervises, none); on the head node, also ``wanted`` for supervisors
+    (which take no CPU)."""
+    sizes = {Kind.TRAINING: max(0, min(wanted, int(node_total.get("CPU", 0.0))))}
+    if node_total.get(HEAD_RESOURCE):
+        sizes[Kind.SUPERVISOR] = max(0, wanted)
+    return {kind: n for kind, n in sizes.items() if n > 0}
 
 
-def prestart(address: str, port: int, count: int) -> None:
-    """Ask the raylet at ``address:port`` to start ``count`` processes for the pool."""
+def prestart(address: str, port: int, kind: Kind, count: int) -> None:
+    """Ask the raylet at ``address:port`` to start ``count`` processes for its ``kind``
+    pool."""
     if count <= 0:
         return
     from ray._private.grpc_utils import init_grpc_channel
@@ -58,7 +84,7 @@ def prestart(address: str, port: int, count: int) -> None:
 
     request = node_manager_pb2.PrestartWorkersRequest(  # type: ignore[attr-defined]
         language=common_pb2.PYTHON,  # type: ignore[attr-defined]
-        runtime_env_info=get_runtime_env_info(RuntimeEnv(**TRAINING_ENV)),
+        runtime_env_info=get_runtime_env_info(RuntimeEnv(**RUNTIME_ENVS[kind])),
         keep_alive_duration_secs=KEEP_ALIVE_S,
         num_workers=count,
     )
@@ -69,41 +95,55 @@ def prestart(address: str, port: int, count: int) -> None:
         channel.close()
 
 
-def replace_taken() -> None:
-    """In a worker actor's ``__init__``: when its process came from the node's pool, ask
-    the node's raylet for another, so that the pool stays as large. Never raises: a pool
-    one process short only makes a later start slower."""
+def replace_taken(kind: Kind) -> None:
+    """In the ``__init__`` of an actor whose process is of ``kind``: when the process came
+    from its node's pool, have the cluster's scheduler start another there,
+    :data:`REPLACE_AFTER_S` later. The scheduler's actor asks, not this one, which may be
+    gone by then. Never raises: a pool one process short only makes a later start slower."""
     if not process_setup.from_pool:
         return
     process_setup.from_pool = False  # one replacement per process
     try:
         import ray
 
-        node = ray._private.worker.global_worker.node
-        assert node is not None, "a Ray worker process is connected"
-        prestart(node.node_ip_address, int(node.node_manager_port), 1)
+        context = ray.get_runtime_context()
+        scheduler = ray.get_actor(SCHEDULER_NAME, namespace=context.namespace)
+        scheduler.replace_taken.remote(context.get_node_id(), kind.value)
     except Exception:
         log.exception("could not ask for a process to replace this one in the node's pool")
 
 
+def prestart_on(node_id: str, kind: Kind, count: int) -> bool:
+    """:func:`prestart` on the live node ``node_id``; False when it is not alive."""
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] == node_id and node.get("Alive"):
+            prestart(node["NodeManagerAddress"], int(node["NodeManagerPort"]), kind, count)
+            return True
+    return False
+
+
 def fill(nodes: list[dict[str, Any]], wanted: int, namespace: str) -> list[str]:
-    """Fill the pool of each live node in ``nodes`` (``ray.nodes()`` entries) that was not
+    """Fill the pools of each live node in ``nodes`` (``ray.nodes()`` entries) that were not
     filled before; returns the nodes filled now. Whether a node was filled is kept in Ray's
     key-value store, so that a scheduler started again does not fill it twice."""
     from ray.experimental import internal_kv
 
     filled = []
     for node in nodes:
-        count = pool_size(wanted, node.get("Resources", {}))
-        if not node.get("Alive") or count == 0:
+        sizes = pool_sizes(wanted, node.get("Resources", {}))
+        if not node.get("Alive") or not sizes:
             continue
         key = f"etrain-warm-pool:{node['NodeID']}".encode()
-        if not internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=namespace):
-            try:
-                prestart(node["NodeManagerAddress"], int(node["NodeManagerPort"]), count)
-            except Exception:
-                log.exception("could not fill node %s's pool", node["NodeID"])
-                internal_kv._internal_kv_del(key, namespace=namespace)
-                continue
-            filled.append(str(node["NodeID"]))
+        if internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=namespace):
+            continue  # filled before
+        try:
+            for kind, count in sizes.items():
+                prestart(node["NodeManagerAddress"], int(node["NodeManagerPort"]), kind, count)
+        except Exception:
+            log.exception("could not fill node %s's pools", node["NodeID"])
+            internal_kv._internal_kv_del(key, namespace=namespace)
+            continue
+        filled.append(str(node["NodeID"]))
     return filled

@@ -16,7 +16,7 @@ import ray
 from ray._private import state as ray_state
 
 from elastic.cluster import capacity
-from elastic.cluster.capacity import HEAD_RESOURCE
+from elastic.warm_processes import HEAD_RESOURCE
 from jobs import launcher
 
 log = logging.getLogger(__name__)

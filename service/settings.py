@@ -193,11 +193,12 @@ class Settings(BaseSettings):
         2,
         ge=0,
         le=256,
-        description="Idle processes each Ray node keeps with torch imported, for the next "
-        "job's workers to start in (each takes one and a new one is started in its place; "
-        "a process never hosts a second worker). About 300 MB of memory each, no CPU or "
-        "GPU reserved; at most one per CPU of the node. 0: none, every worker starts a "
-        "process and imports torch (3-4 s).",
+        description="Idle processes each Ray node keeps with torch imported, at most one "
+        "per CPU of the node, for the next jobs' workers to start in; the head node also "
+        "keeps this many plain ones for the next jobs' supervisors. Each one taken is "
+        "replaced, and no process hosts a second worker or supervisor. About 300 MB of "
+        "memory each (50 MB a supervisor's), no CPU or GPU held. 0: none, and every "
+        "worker starts a process and imports torch (3-4 s).",
     )
     user_max_wall_time_s: float | None = Field(
         7 * 24 * 3600.0,

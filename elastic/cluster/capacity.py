@@ -23,11 +23,10 @@ from elastic import warm_processes
 from elastic.cluster.books import SchedulerBook
 from elastic.cluster.reservation import Reservation
 from elastic.cluster.scheduling import Demand, Knobs, Placement, workers_that_fit
+from elastic.warm_processes import HEAD_RESOURCE, SCHEDULER_NAME
 
 log = logging.getLogger(__name__)
 
-HEAD_RESOURCE = "node:__internal_head__"
-WATCHER_NAME = "etrain-membership"
 WATCH_POLL_S = 0.5
 # How often the scheduler checks that the supervisors it books workers for still live (one
 # killed with its node never says goodbye), and plans again with fresh throughput.
@@ -214,6 +213,7 @@ class MembershipWatcher:
         # Processes each node keeps ready to train (elastic/warm_processes.py); 0 until the
         # service says (``keep_warm``).
         self.warm_per_node = 0
+        self.replacing: set[asyncio.Task[None]] = set()  # kept from the collector until done
 
     async def keep_warm(self, per_node: int) -> None:
         """Keep ``per_node`` processes ready on each node: the nodes seen from now on, and
@@ -221,6 +221,21 @@ class MembershipWatcher:
         self.warm_per_node = per_node
         await self._ensure_watching()
         await self._warm(self.current.alive)
+
+    async def replace_taken(self, node_id: str, kind: str) -> None:
+        """An actor took a process from ``node_id``'s ``kind`` pool: start another there,
+        once the start of the job that took it is over (``elastic/warm_processes.py``)."""
+        pool = warm_processes.Kind(kind)
+        task = asyncio.get_running_loop().create_task(self._replace(node_id, pool))
+        self.replacing.add(task)
+        task.add_done_callback(self.replacing.discard)
+
+    async def _replace(self, node_id: str, kind: warm_processes.Kind) -> None:
+        await asyncio.sleep(warm_processes.REPLACE_AFTER_S)
+        try:
+            await asyncio.to_thread(warm_processes.prestart_on, node_id, kind, 1)
+        except Exception:
+            log.exception("could not replace a process taken from node %s's pool", node_id)
 
     async def _warm(self, new_nodes: frozenset[str]) -> None:
         if self.warm_per_node <= 0 or not new_nodes:
@@ -451,7 +466,7 @@ def one_per_cluster(name: str, namespace: str) -> dict[str, Any]:
 
 def shared_watcher(namespace: str) -> Any:
     """The cluster's one membership watcher and scheduler, started if it is not running."""
-    options = one_per_cluster(WATCHER_NAME, namespace)
+    options = one_per_cluster(SCHEDULER_NAME, namespace)
     return MembershipWatcher.options(**options).remote()  # type: ignore[attr-defined]
 
 

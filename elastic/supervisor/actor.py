@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from elastic import warm_processes
 from elastic.checkpoint.directory import CheckpointDir
 from elastic.checkpoint.storage import unshared_checkpoint_dir
 from elastic.cluster.capacity import RayCapacity
@@ -50,6 +51,7 @@ def worker_config(plan: SupervisorPlan, spec: AttemptSpec) -> dict[str, Any]:
 class Supervisor:
     def __init__(self, plan: SupervisorPlan, first_seq: int) -> None:
         runner: Any
+        warm_processes.replace_taken(warm_processes.Kind.SUPERVISOR)
         if plan.fault_tolerance == "in_place":
             from elastic.in_place.runner import InPlaceRunner
 

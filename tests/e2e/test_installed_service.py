@@ -353,11 +353,11 @@ def _ready_processes(root_pid: int) -> set[int]:
     return found
 
 
-def _replica_processes(root_pid: int) -> set[int]:
+def _processes_named(root_pid: int, prefix: bytes) -> set[int]:
     found = set()
     for pid in _process_tree(root_pid):
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Replica"):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(prefix):
                 found.add(pid)
         except OSError:
             continue
@@ -382,18 +382,23 @@ def test_a_jobs_workers_start_in_the_nodes_ready_processes_which_are_never_reuse
     )
     # The node (2 CPUs) keeps 2 processes ready, torch imported (the default).
     pool = _wait_for_pool(proc.pid, 2)
+    idle = _processes_named(proc.pid, b"ray::IDLE")
     r = api.post("/v1/jobs", json=small_job())
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     replicas: set[int] = set()
+    supervisors: set[int] = set()
     deadline = time.monotonic() + 240
     while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL_STATES:
-        replicas |= _replica_processes(proc.pid)
+        replicas |= _processes_named(proc.pid, b"ray::Replica")
+        supervisors |= _processes_named(proc.pid, b"ray::Supervisor")
         assert time.monotonic() < deadline, job
         time.sleep(0.2)
     assert job["state"] == "succeeded", job
-    # Its two workers ran in the two processes that were ready before it was submitted.
+    # Its two workers ran in the two processes that were ready before it was submitted, and
+    # its supervisor in one of the idle processes the head node keeps for supervisors.
     assert replicas == pool
+    assert len(supervisors) == 1 and supervisors <= idle - pool, (supervisors, idle)
     # Each was replaced: the pool is back to 2, all new processes; the used ones are gone.
     refilled = _wait_for_pool(proc.pid, 2)
     assert refilled.isdisjoint(pool)
