@@ -1,7 +1,8 @@
 """Set-up of every Ray worker process, before Ray runs anything in it: Ray's worker process
 set-up hook, named in the environment a Ray instance starts with (``jobs.launcher.
 worker_setup``: the embedded Ray, the test suite's cluster, the Helm chart's Ray pods).
-Imports nothing at module level: a hook that fails to import ends every worker."""
+Imports only the standard library at module level: a hook that fails to import ends every
+worker."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ SETUP_HOOK = "elastic.process_setup.set_up"
 
 # Set (to PRELOAD_TRAINING) in the runtime env of the processes that train
 # (``elastic.warm_processes.TRAINING_ENV``): the hook imports what training needs before the
-# process is handed to an actor, so that a process waiting in a node's pool has done it.
-PRELOAD = "ETRAIN_PRELOAD"
+# process is handed to an actor, so that a process waiting in a node's pool has done it. Not
+# an ``ETRAIN_`` name: those are the service's settings, none of which reaches a worker.
+PRELOAD = "ELASTIC_TRAIN_PRELOAD"
 PRELOAD_TRAINING = "training"
 # torch and the optimizer's lazy ``torch._dynamo`` (over a second each, in a new process),
 # then both modes' training contexts and torchft, and the supervisor's actor class, which a
 # worker unpickles (importing its modules) when it looks its supervisor up. None of them
-# touches CUDA: a pool's
-# process is handed to an actor before it learns which GPU is its (``CUDA_VISIBLE_DEVICES``
-# is set for the actor and read at CUDA's first use).
+# touches CUDA: a pool's process is handed to an actor before it learns which GPU is its
+# (``CUDA_VISIBLE_DEVICES`` is set for the actor and read at CUDA's first use).
 TRAINING_MODULES = (
     "torch",
     "torch._dynamo",
@@ -50,6 +51,8 @@ def set_up() -> None:
 
 
 def preload(modules: tuple[str, ...]) -> None:
+    """Import ``modules``, then keep what they made out of the collector's sight: it lives
+    as long as the process, and each full collection would scan it again."""
     import gc
     import importlib
     import logging
@@ -59,7 +62,6 @@ def preload(modules: tuple[str, ...]) -> None:
             importlib.import_module(name)
         except Exception as e:  # the actor's own import reports it where it is seen
             logging.getLogger(__name__).warning("preloading %s: %r", name, e)
-    # What was imported lives as long as the process: out of the collector's sight.
     gc.collect()
     gc.freeze()
 

@@ -6,12 +6,14 @@ starts, with a supervisor of its own, once the pool is free."""
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from ray.util.state import list_actors, list_workers
 
+from elastic.warm_processes import REPLACE_AFTER_S
 from tests.conftest import (
     POOL_SIZE,
     ClusterPool,
@@ -54,6 +56,22 @@ def _head() -> tuple[int, float]:
     return len(workers), sum(_rss_mb(pid) for pid in pids)
 
 
+def _settled_head(timeout_s: float = 90.0) -> tuple[int, float]:
+    """``_head()`` once no process comes or grows: the nodes' ready processes that replace
+    those a job just took start seconds after it did, then import torch
+    (elastic/warm_processes.py)."""
+    time.sleep(REPLACE_AFTER_S + 1.0)
+    deadline = time.monotonic() + timeout_s
+    last = _head()
+    while True:
+        time.sleep(2.0)
+        now = _head()
+        if now[0] == last[0] and abs(now[1] - last[1]) < 10.0:
+            return now
+        assert time.monotonic() < deadline, f"the processes never settled: {last} -> {now}"
+        last = now
+
+
 def _supervisors() -> list[str]:
     actors = list_actors(address=state_address(), limit=10_000)
     return sorted(
@@ -81,7 +99,7 @@ def test_a_thousand_queued_jobs_start_no_process_and_wait_in_order(
         blocker = _submit(api, {**small_job(max_steps=1_000_000), "scaling": whole_pool})
         wait_for(lambda: get(api, blocker)["state"] == "running", 120, what="the blocker running")
         assert _supervisors() == [f"etrain-supervisor-{blocker}"]
-        processes_before, memory_before = _head()
+        processes_before, memory_before = _settled_head()
 
         queued = []
         for i in range(QUEUED):
