@@ -345,7 +345,8 @@ def _ready_processes(root_pid: int) -> set[int]:
     for pid in _process_tree(root_pid):
         try:
             idle = Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::IDLE")
-            training = b"ELASTIC_TRAIN_PRELOAD=training\0" in Path(f"/proc/{pid}/environ").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            training = b"ELASTIC_TRAIN_PRELOAD=training\0" in environ
             if idle and training and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
                 found.add(pid)
         except OSError:
