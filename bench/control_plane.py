@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 
 from bench.api_load import TOKEN, percentile, serve, wait_ready
+from elastic.warm_processes import REPLACE_AFTER_S
 
 
 def job(name: str, max_steps: int) -> dict[str, Any]:
@@ -140,7 +141,7 @@ def running_jobs(
                 f"events: {[(e['kind'], e['data']) for e in events]}"
             )
         time.sleep(1.0)
-    time.sleep(5.0)  # their starts' leftovers (a GC, the first metrics) are counted too
+    steady(server.pid)  # their starts' leftovers (a GC, the pools' new processes) too
     pids = tree(server.pid)
     after = pss_mb(pids)
     timed = timed_reads(api, ids[0], reads)
@@ -182,6 +183,25 @@ def settle(api: httpx.Client, queued: int, timeout_s: float = 120.0) -> None:
             raise SystemExit(f"the scheduler never showed {queued} queued jobs")
         time.sleep(0.5)
     time.sleep(2.0)  # what the rows left behind (a GC, a log line) is counted too
+
+
+def steady(root: int, timeout_s: float = 120.0) -> None:
+    """Until the processes under ``root`` stop coming and growing: the nodes' ready
+    processes that replace those a job took start seconds after it did, then import torch
+    (elastic/warm_processes.py)."""
+    time.sleep(REPLACE_AFTER_S + 1.0)
+    deadline = time.monotonic() + timeout_s
+    last = tree(root)
+    last_mb = rss_mb(last)
+    while True:
+        time.sleep(2.0)
+        now = tree(root)
+        now_mb = rss_mb(now)
+        if len(now) == len(last) and abs(now_mb - last_mb) < 10.0:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit("the service's processes never settled")
+        last, last_mb = now, now_mb
 
 
 def idle(api: httpx.Client, timeout_s: float = 120.0) -> None:
@@ -284,6 +304,7 @@ def main() -> None:
                         raise SystemExit("the blocking job never ran")
                     time.sleep(0.5)
                 timed_reads(api, blocker, 10)  # the first reads build caches: untimed
+                steady(server.pid)
                 queued = 0
                 waiting: list[str] = []
                 for level in levels:
