@@ -5,10 +5,10 @@ The README's job (`examples/job.yaml`: the small CNN, 2 workers, in place) submi
 ran to its end there, timed from its `POST /v1/jobs` to the end of its first step (the
 step-1 metrics event). Two sides of the service, each a fresh `etrain serve` per repetition:
 
-- **pool**: each node keeps ready processes with torch imported (the default,
-  `ETRAIN_WARM_PROCESSES_PER_NODE=2`); the job's workers start in them;
-- **no pool**: `ETRAIN_WARM_PROCESSES_PER_NODE=0`; each worker starts a process and imports
-  torch, as every job did before the pool.
+- **pool**: each node keeps ready processes with torch imported
+  (`ETRAIN_WARM_PROCESSES_PER_NODE=2`); the job's supervisor and workers start in them;
+- **no pool**: `ETRAIN_WARM_PROCESSES_PER_NODE=0`, the default; each worker starts a
+  process and imports torch.
 
 and **torchrun** launching a 2-process DDP loop of the same model on the same synthetic data
 (`bench/throughput.py`'s loop), from its launch to the end of its first step. The sides run

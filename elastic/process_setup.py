@@ -37,17 +37,20 @@ TRAINING_MODULES = (
 # warm_processes``), not for an actor that was waiting for it: when a job's actor takes it,
 # a new one is started in its place.
 from_pool = False
+# Whether the hook imported what training needs (the process has the training runtime env).
+preloaded = False
 
 
 def set_up() -> None:
     """Every worker process: a lean serialization context; a training process also imports
     what training needs."""
-    global from_pool
+    global from_pool, preloaded
     lean_serialization()
     # Ray gives a process started ahead of any lease the nil job id.
     from_pool = set(os.environ.get("RAY_JOB_ID", "f")) == {"f"}
     if os.environ.get(PRELOAD) == PRELOAD_TRAINING:
         preload(TRAINING_MODULES)
+        preloaded = True
 
 
 def preload(modules: tuple[str, ...]) -> None:

@@ -45,15 +45,14 @@ TRAINING_ENV: dict[str, Any] = {
     }
 }
 RUNTIME_ENVS: dict[Kind, dict[str, Any]] = {Kind.TRAINING: TRAINING_ENV, Kind.SUPERVISOR: {}}
+# A replica's runtime env when the nodes keep no ready processes.
+PLAIN_REPLICA_ENV: dict[str, Any] = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
 # How long an idle process of a pool is kept from Ray's idle-worker reaper (which keeps at
 # most as many idle processes as the node has free CPUs).
 KEEP_ALIVE_S = 30 * 24 * 3600
 # A process taken from a pool is replaced this long after, once the start of the job that
 # took it is over (a new process beside that start would slow it).
 REPLACE_AFTER_S = 3.0
-# The default number of processes each pool keeps ready (the service's
-# ``ETRAIN_WARM_PROCESSES_PER_NODE``).
-DEFAULT_PER_NODE = 2
 # The cluster's scheduler (elastic/cluster/capacity.py's membership watcher), a named actor
 # that any process finds, a worker among them (which imports nothing of the cluster's).
 SCHEDULER_NAME = "etrain-membership"
@@ -100,7 +99,7 @@ def replace_taken(kind: Kind) -> None:
     from its node's pool, have the cluster's scheduler start another there,
     :data:`REPLACE_AFTER_S` later. The scheduler's actor asks, not this one, which may be
     gone by then. Never raises: a pool one process short only makes a later start slower."""
-    if not process_setup.from_pool:
+    if not process_setup.from_pool or (kind == Kind.TRAINING and not process_setup.preloaded):
         return
     process_setup.from_pool = False  # one replacement per process
     try:

@@ -249,9 +249,12 @@ def launch(
     owner: str = "",
     submitted_at: float = 0.0,
     data_roots: Sequence[str] = (),
+    ready_processes: bool = True,
 ) -> Any:
     """Start the job's supervisor (detached: it outlives the API process) and its loop;
-    with ``resume``, a new supervisor for a job whose supervisor died."""
+    with ``resume``, a new supervisor for a job whose supervisor died. ``ready_processes``:
+    the nodes keep processes ready to train (``ETRAIN_WARM_PROCESSES_PER_NODE``), and the
+    job's workers are made to start in them."""
     workload = WORKLOADS.get(spec.workload)
     train_loop = workload.train_loop if workload else spec.workload
     train_config = spec.train_config()
@@ -297,6 +300,7 @@ def launch(
         priority=spec.priority_value,
         submitted_at=submitted_at,
         own_checkpoints=spec.command is not None,
+        ready_processes=ready_processes,
     )
     options: dict[str, Any] = {
         "name": plan.actor_name,

@@ -225,6 +225,8 @@ class MembershipWatcher:
     async def replace_taken(self, node_id: str, kind: str) -> None:
         """An actor took a process from ``node_id``'s ``kind`` pool: start another there,
         once the start of the job that took it is over (``elastic/warm_processes.py``)."""
+        if self.warm_per_node <= 0:  # the pools are off: nothing to keep filled
+            return
         pool = warm_processes.Kind(kind)
         task = asyncio.get_running_loop().create_task(self._replace(node_id, pool))
         self.replacing.add(task)

@@ -112,7 +112,11 @@ class InPlaceRunner:
             namespace=self.namespace,
             lifetime="detached",
             **placement(self.plan["resources_per_worker"]),
-            runtime_env=warm_processes.TRAINING_ENV,  # a node's ready process
+            runtime_env=(
+                warm_processes.TRAINING_ENV  # a node's ready process
+                if self.plan["ready_processes"]
+                else warm_processes.PLAIN_REPLICA_ENV
+            ),
         ).remote()
         self.actors[index] = actor
         timeout_s = float(self.plan["collective_timeout_s"])

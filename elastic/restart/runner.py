@@ -248,7 +248,8 @@ class WarmPoolRunner:
         options = placement(self.plan["resources_per_worker"])
         if group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, 0)
-        options["runtime_env"] = warm_processes.TRAINING_ENV  # a node's ready process
+        if self.plan["ready_processes"]:
+            options["runtime_env"] = warm_processes.TRAINING_ENV  # a node's ready process
         actor = WarmWorker.options(**options).remote()  # type: ignore[attr-defined]
         return Member(actor, actor.warm.remote(self.plan["train_loop"]), group=group)
 

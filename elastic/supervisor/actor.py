@@ -51,7 +51,8 @@ def worker_config(plan: SupervisorPlan, spec: AttemptSpec) -> dict[str, Any]:
 class Supervisor:
     def __init__(self, plan: SupervisorPlan, first_seq: int) -> None:
         runner: Any
-        warm_processes.replace_taken(warm_processes.Kind.SUPERVISOR)
+        if plan.ready_processes:
+            warm_processes.replace_taken(warm_processes.Kind.SUPERVISOR)
         if plan.fault_tolerance == "in_place":
             from elastic.in_place.runner import InPlaceRunner
 

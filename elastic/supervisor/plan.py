@@ -51,3 +51,6 @@ class SupervisorPlan:
     # The job's code keeps its own checkpoints (a command job): none of ours tell its
     # progress, so an attempt that gets further than any before it is progress.
     own_checkpoints: bool = False
+    # The workers start in the nodes' ready processes (elastic/warm_processes.py): they are
+    # created with the runtime env of those processes.
+    ready_processes: bool = True

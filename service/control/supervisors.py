@@ -94,6 +94,7 @@ class Supervisors:
                 job.owner,
                 job.created_at.timestamp(),
                 data_access(self.settings).readable_trees(job.owner),
+                self.settings.warm_processes_per_node > 0,
             )
             self.book.handles[job.id] = handle
             return handle

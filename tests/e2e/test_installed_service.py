@@ -217,11 +217,13 @@ class Service:
     """`etrain serve` of the installed project, on the embedded default; it can be killed
     and started again on the same data directory, as a reboot or an upgrade would."""
 
-    def __init__(self, installed: Path) -> None:
+    def __init__(
+        self, installed: Path, data_name: str = "data", settings: dict[str, str] | None = None
+    ) -> None:
         self.installed = installed
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        data = installed / "data"
+        data = installed / data_name
         data.mkdir(exist_ok=True)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("ETRAIN_", "RAY_"))}
         self.env.update(
@@ -233,9 +235,10 @@ class Service:
                 "ETRAIN_RAY_DASHBOARD_PORT": str(free_port()),
                 "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
                 "ETRAIN_LOG_LEVEL": "warning",
+                **(settings or {}),
             }
         )
-        self.log = installed / "serve.log"
+        self.log = installed / f"serve-{data_name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -374,13 +377,17 @@ def _wait_for_pool(root_pid: int, size: int, timeout_s: float = 90.0) -> set[int
 
 
 def test_a_jobs_workers_start_in_the_nodes_ready_processes_which_are_never_reused(
-    service: Service,
+    installed: Path,
 ) -> None:
-    proc = service.proc
-    assert proc is not None
-    api = httpx.Client(
-        base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
-    )
+    ready = Service(installed, "data-ready", {"ETRAIN_WARM_PROCESSES_PER_NODE": "2"})
+    try:
+        _check_ready_processes(ready.start(), ready.url)
+    finally:
+        ready.stop()
+
+
+def _check_ready_processes(proc: subprocess.Popen[bytes], url: str) -> None:
+    api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     # The node (2 CPUs) keeps 2 processes ready, torch imported (the default).
     pool = _wait_for_pool(proc.pid, 2)
     idle = _processes_named(proc.pid, b"ray::IDLE")
