@@ -196,8 +196,8 @@ class Settings(BaseSettings):
         description="Idle processes each Ray node keeps with torch imported, at most one "
         "per CPU of the node, for the next jobs' workers to start in; the head node also "
         "keeps this many plain ones for the next jobs' supervisors. Each one taken is "
-        "replaced, and no process hosts a second worker or supervisor. About 300 MB of "
-        "memory each (50 MB a supervisor's), no CPU or GPU held. 2 brings the README's "
+        "replaced, and no process hosts a second worker or supervisor. About 540 MB of "
+        "memory each (PSS; 47 MB a supervisor's), no CPU or GPU held. 2 brings the README's "
         "job from its submission to its first step in 0.7 s (6.5 s without). 0, the "
         "default until in-place recovery is proven with them: none, and every worker "
         "starts a process and imports torch.",
