@@ -123,20 +123,22 @@ def prestart_on(node_id: str, kind: Kind, count: int) -> bool:
     return False
 
 
-def fill(nodes: list[dict[str, Any]], wanted: int, namespace: str) -> list[str]:
+def fill(nodes: list[dict[str, Any]], wanted: int, namespace: str) -> set[str]:
     """Fill the pools of each live node in ``nodes`` (``ray.nodes()`` entries) that were not
-    filled before; returns the nodes filled now. Whether a node was filled is kept in Ray's
-    key-value store, so that a scheduler started again does not fill it twice."""
+    filled before; returns the nodes whose pools are filled, now or before (not those a
+    raylet refused). Whether a node was filled is kept in Ray's key-value store, so that a
+    scheduler started again does not fill it twice."""
     from ray.experimental import internal_kv
 
-    filled = []
+    filled = set()
     for node in nodes:
         sizes = pool_sizes(wanted, node.get("Resources", {}))
         if not node.get("Alive") or not sizes:
             continue
         key = f"etrain-warm-pool:{node['NodeID']}".encode()
         if internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=namespace):
-            continue  # filled before
+            filled.add(str(node["NodeID"]))  # filled before
+            continue
         try:
             for kind, count in sizes.items():
                 prestart(node["NodeManagerAddress"], int(node["NodeManagerPort"]), kind, count)
@@ -144,5 +146,5 @@ def fill(nodes: list[dict[str, Any]], wanted: int, namespace: str) -> list[str]:
             log.exception("could not fill node %s's pools", node["NodeID"])
             internal_kv._internal_kv_del(key, namespace=namespace)
             continue
-        filled.append(str(node["NodeID"]))
+        filled.add(str(node["NodeID"]))
     return filled

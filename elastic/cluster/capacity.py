@@ -213,6 +213,7 @@ class MembershipWatcher:
         # Processes each node keeps ready to train (elastic/warm_processes.py); 0 until the
         # service says (``keep_warm``).
         self.warm_per_node = 0
+        self.warmed: set[str] = set()  # nodes whose pools are filled: not asked again
         self.replacing: set[asyncio.Task[None]] = set()  # kept from the collector until done
 
     async def keep_warm(self, per_node: int) -> None:
@@ -239,7 +240,8 @@ class MembershipWatcher:
         except Exception:
             log.exception("could not replace a process taken from node %s's pool", node_id)
 
-    async def _warm(self, new_nodes: frozenset[str]) -> None:
+    async def _warm(self, nodes: frozenset[str]) -> None:
+        new_nodes = nodes - self.warmed
         if self.warm_per_node <= 0 or not new_nodes:
             return
         namespace = ray.get_runtime_context().namespace
@@ -253,8 +255,9 @@ class MembershipWatcher:
         except Exception:
             log.exception("filling the nodes' pools of ready processes failed")
             return
-        if filled:
-            log.info("started ready processes on nodes %s", filled)
+        if filled - self.warmed:
+            log.info("ready processes on nodes %s", sorted(filled - self.warmed))
+        self.warmed |= filled
 
     async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:
         self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S, owner)
