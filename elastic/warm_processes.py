@@ -10,17 +10,18 @@ with the same runtime env is given one of them. A process hosts one actor and en
 so no process that ran one job's code is handed to another job. An idle process holds no
 Ray resources (a CPU or GPU is taken by the actor that takes it) and no GPU memory.
 
-The scheduler's actor fills a node's pools once, when it first sees the node (:func:`fill`);
-each actor that takes a process from a pool has the scheduler start another in its place
-(:func:`replace_taken`). A job whose supervisor has a runtime env of its own (object-store
-checkpoints, MLflow) gives its workers a different one, and Ray then starts new processes
-for them, as it did before the pools."""
+The scheduler's actor owes a node its pools when it first sees the node, and owes it one
+process for each that an actor takes (:func:`replace_taken`); :class:`Refills` says when
+an owed process is started. A job whose supervisor has a runtime env of its own
+(object-store checkpoints, MLflow) gives its workers a different one, and Ray then starts
+new processes for them, as it did before the pools."""
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from elastic import process_setup
@@ -50,9 +51,12 @@ PLAIN_REPLICA_ENV: dict[str, Any] = {"env_vars": {"RAY_TRAIN_ENABLE_PRINT_PATCH"
 # How long an idle process of a pool is kept from Ray's idle-worker reaper (which keeps at
 # most as many idle processes as the node has free CPUs).
 KEEP_ALIVE_S = 30 * 24 * 3600
-# A process taken from a pool is replaced this long after, once the start of the job that
-# took it is over (a new process beside that start would slow it).
+# An owed process is started no sooner than this after it is owed: the start of the job
+# that took one is over by then (a new process beside that start would slow it), and a
+# node that just joined has been given the job that wanted it.
 REPLACE_AFTER_S = 3.0
+# A raylet that refused to start an owed process is asked again this much later.
+RETRY_AFTER_S = 30.0
 # The cluster's scheduler (elastic/cluster/capacity.py's membership watcher), a named actor
 # that any process finds, a worker among them (which imports nothing of the cluster's).
 SCHEDULER_NAME = "etrain-membership"
@@ -96,9 +100,9 @@ def prestart(address: str, port: int, kind: Kind, count: int) -> None:
 
 def replace_taken(kind: Kind) -> None:
     """In the ``__init__`` of an actor whose process is of ``kind``: when the process came
-    from its node's pool, have the cluster's scheduler start another there,
-    :data:`REPLACE_AFTER_S` later. The scheduler's actor asks, not this one, which may be
-    gone by then. Never raises: a pool one process short only makes a later start slower."""
+    from its node's pool, the cluster's scheduler owes the pool another (:class:`Refills`),
+    and starts it, not this actor, which may be gone by then. Never raises: a pool one
+    process short only makes a later start slower."""
     if not process_setup.from_pool or (kind == Kind.TRAINING and not process_setup.preloaded):
         return
     process_setup.from_pool = False  # one replacement per process
@@ -112,39 +116,81 @@ def replace_taken(kind: Kind) -> None:
         log.exception("could not ask for a process to replace this one in the node's pool")
 
 
-def prestart_on(node_id: str, kind: Kind, count: int) -> bool:
-    """:func:`prestart` on the live node ``node_id``; False when it is not alive."""
-    import ray
+@dataclass
+class Refills:
+    """The processes owed to the nodes' pools, each with the time from which it may start.
+    A training process starts only while its node has a CPU that no job holds or has
+    claimed: its torch import (seconds of a core) would otherwise be taken from the
+    training there, a straggler that every synchronous step waits for. A supervisor's
+    process (no CPU held, little imported) starts when due."""
 
-    for node in ray.nodes():
-        if node["NodeID"] == node_id and node.get("Alive"):
-            prestart(node["NodeManagerAddress"], int(node["NodeManagerPort"]), kind, count)
-            return True
-    return False
+    owed: dict[tuple[str, Kind], list[float]] = field(default_factory=dict)
+
+    def owe(self, node: str, kind: Kind, count: int, due: float) -> None:
+        if count > 0:
+            self.owed.setdefault((node, kind), []).extend([due] * count)
+
+    def take_due(
+        self, now: float, alive: Collection[str], free_cpus: Mapping[str, float]
+    ) -> dict[tuple[str, Kind], int]:
+        """How many processes to start now, by node and kind; they are no longer owed. What
+        a node that is no longer alive was owed is forgotten."""
+        spare = {node: int(cpus + 1e-9) for node, cpus in free_cpus.items()}
+        starts: dict[tuple[str, Kind], int] = {}
+        for (node, kind), dues in list(self.owed.items()):
+            if node not in alive:
+                del self.owed[node, kind]
+                continue
+            count = sum(1 for due in dues if due <= now)
+            if kind is Kind.TRAINING:
+                count = min(count, max(0, spare.get(node, 0)))
+                spare[node] = spare.get(node, 0) - count
+            if count == 0:
+                continue
+            dues.sort()
+            del dues[:count]
+            if not dues:
+                del self.owed[node, kind]
+            starts[node, kind] = count
+        return starts
 
 
-def fill(nodes: list[dict[str, Any]], wanted: int, namespace: str) -> set[str]:
-    """Fill the pools of each live node in ``nodes`` (``ray.nodes()`` entries) that were not
-    filled before; returns the nodes whose pools are filled, now or before (not those a
-    raylet refused). Whether a node was filled is kept in Ray's key-value store, so that a
-    scheduler started again does not fill it twice."""
+def first_seen(
+    nodes: list[dict[str, Any]], wanted: int, namespace: str
+) -> dict[str, dict[Kind, int]]:
+    """The pools owed to those live ``nodes`` (``ray.nodes()`` entries) that no scheduler
+    owed them before, by node. Which nodes were owed theirs is kept in Ray's key-value
+    store, so that a scheduler started again does not fill a node twice."""
     from ray.experimental import internal_kv
 
-    filled = set()
+    owed = {}
     for node in nodes:
         sizes = pool_sizes(wanted, node.get("Resources", {}))
         if not node.get("Alive") or not sizes:
             continue
         key = f"etrain-warm-pool:{node['NodeID']}".encode()
-        if internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=namespace):
-            filled.add(str(node["NodeID"]))  # filled before
-            continue
+        if not internal_kv._internal_kv_put(key, b"1", overwrite=False, namespace=namespace):
+            owed[str(node["NodeID"])] = sizes
+    return owed
+
+
+def start(
+    nodes: list[dict[str, Any]], starts: Mapping[tuple[str, Kind], int]
+) -> dict[tuple[str, Kind], int]:
+    """Have each live node's raylet (``nodes``: ``ray.nodes()`` entries) start what
+    ``starts`` says; returns what could not be started on a live node."""
+    where = {
+        str(n["NodeID"]): (n["NodeManagerAddress"], int(n["NodeManagerPort"]))
+        for n in nodes
+        if n.get("Alive")
+    }
+    failed = {}
+    for (node, kind), count in starts.items():
+        if node not in where:
+            continue  # gone: its pools went with it
         try:
-            for kind, count in sizes.items():
-                prestart(node["NodeManagerAddress"], int(node["NodeManagerPort"]), kind, count)
+            prestart(*where[node], kind, count)
         except Exception:
-            log.exception("could not fill node %s's pools", node["NodeID"])
-            internal_kv._internal_kv_del(key, namespace=namespace)
-            continue
-        filled.add(str(node["NodeID"]))
-    return filled
+            log.exception("could not start %d %s process(es) on node %s", count, kind.value, node)
+            failed[node, kind] = count
+    return failed

@@ -213,32 +213,23 @@ class MembershipWatcher:
         # Processes each node keeps ready to train (elastic/warm_processes.py); 0 until the
         # service says (``keep_warm``).
         self.warm_per_node = 0
-        self.warmed: set[str] = set()  # nodes whose pools are filled: not asked again
-        self.replacing: set[asyncio.Task[None]] = set()  # kept from the collector until done
+        self.warmed: set[str] = set()  # nodes owed their pools: not owed them again
+        self.refills = warm_processes.Refills()
 
     async def keep_warm(self, per_node: int) -> None:
         """Keep ``per_node`` processes ready on each node: the nodes seen from now on, and
-        those alive now whose pool was never filled."""
+        those alive now whose pools were never filled."""
         self.warm_per_node = per_node
         await self._ensure_watching()
         await self._warm(self.current.alive)
 
     async def replace_taken(self, node_id: str, kind: str) -> None:
-        """An actor took a process from ``node_id``'s ``kind`` pool: start another there,
-        once the start of the job that took it is over (``elastic/warm_processes.py``)."""
+        """An actor took a process from ``node_id``'s ``kind`` pool: owe the pool another
+        (started by :meth:`_refill`)."""
         if self.warm_per_node <= 0:  # the pools are off: nothing to keep filled
             return
-        pool = warm_processes.Kind(kind)
-        task = asyncio.get_running_loop().create_task(self._replace(node_id, pool))
-        self.replacing.add(task)
-        task.add_done_callback(self.replacing.discard)
-
-    async def _replace(self, node_id: str, kind: warm_processes.Kind) -> None:
-        await asyncio.sleep(warm_processes.REPLACE_AFTER_S)
-        try:
-            await asyncio.to_thread(warm_processes.prestart_on, node_id, kind, 1)
-        except Exception:
-            log.exception("could not replace a process taken from node %s's pool", node_id)
+        due = time.monotonic() + warm_processes.REPLACE_AFTER_S
+        self.refills.owe(node_id, warm_processes.Kind(kind), 1, due)
 
     async def _warm(self, nodes: frozenset[str]) -> None:
         new_nodes = nodes - self.warmed
@@ -247,17 +238,43 @@ class MembershipWatcher:
         namespace = ray.get_runtime_context().namespace
         per_node = self.warm_per_node
         try:
-            filled = await asyncio.to_thread(
-                lambda: warm_processes.fill(
+            owed = await asyncio.to_thread(
+                lambda: warm_processes.first_seen(
                     [n for n in ray.nodes() if str(n["NodeID"]) in new_nodes], per_node, namespace
                 )
             )
         except Exception:
             log.exception("filling the nodes' pools of ready processes failed")
             return
-        if filled - self.warmed:
-            log.info("ready processes on nodes %s", sorted(filled - self.warmed))
-        self.warmed |= filled
+        due = time.monotonic() + warm_processes.REPLACE_AFTER_S
+        for node, sizes in owed.items():
+            for kind, count in sizes.items():
+                self.refills.owe(node, kind, count, due)
+        self.warmed |= new_nodes
+
+    async def _refill(self) -> None:
+        """Start the owed processes that may start now (:class:`warm_processes.Refills`)."""
+        if not self.refills.owed:
+            return
+        free_cpus = {node: r.get("CPU", 0.0) for node, r in self.current.free.items()}
+        for per_node, _, _ in self.claims.values():
+            for node, held in per_node.items():
+                if node in free_cpus:
+                    free_cpus[node] -= held.get("CPU", 0.0)
+        now = time.monotonic()
+        starts = self.refills.take_due(now, self.current.alive, free_cpus)
+        if not starts:
+            return
+        log.info(
+            "starting ready processes: %s", {f"{n} {k.value}": c for (n, k), c in starts.items()}
+        )
+        try:
+            failed = await asyncio.to_thread(lambda: warm_processes.start(ray.nodes(), starts))
+        except Exception:
+            log.exception("could not read the nodes to start ready processes on")
+            failed = dict(starts)
+        for (node, kind), count in failed.items():
+            self.refills.owe(node, kind, count, now + warm_processes.RETRY_AFTER_S)
 
     async def claim(self, job_id: str, per_node: Resources, owner: str | None = None) -> None:
         self.claims[job_id] = (per_node, time.monotonic() + CLAIM_TTL_S, owner)
@@ -329,6 +346,7 @@ class MembershipWatcher:
         )
         await self._drop_orphan_claims()
         await self._check_supervisors()
+        await self._refill()
         c = self.current
         if alive == c.alive and free == c.free and draining == c.draining:
             return

@@ -1,8 +1,9 @@
-"""How many ready processes a node keeps (elastic/warm_processes.py)."""
+"""How many ready processes a node keeps, and when an owed one starts
+(elastic/warm_processes.py)."""
 
 from __future__ import annotations
 
-from elastic.warm_processes import HEAD_RESOURCE, Kind, pool_sizes
+from elastic.warm_processes import HEAD_RESOURCE, Kind, Refills, pool_sizes
 
 
 def test_a_node_keeps_what_is_asked_to_train_but_no_more_than_its_cpus() -> None:
@@ -23,3 +24,42 @@ def test_a_node_with_no_cpu_or_pools_of_none_keeps_nothing() -> None:
     assert pool_sizes(2, {"CPU": 0.0}) == {}
     assert pool_sizes(2, {}) == {}
     assert pool_sizes(0, {"CPU": 8.0, HEAD_RESOURCE: 1.0}) == {}
+
+
+def test_an_owed_process_starts_no_sooner_than_it_is_due() -> None:
+    refills = Refills()
+    refills.owe("a", Kind.SUPERVISOR, 2, due=10.0)
+    refills.owe("a", Kind.SUPERVISOR, 1, due=13.0)
+    assert refills.take_due(9.9, {"a"}, {"a": 0.0}) == {}
+    assert refills.take_due(10.0, {"a"}, {"a": 0.0}) == {("a", Kind.SUPERVISOR): 2}
+    assert refills.take_due(12.0, {"a"}, {"a": 0.0}) == {}
+    assert refills.take_due(13.0, {"a"}, {"a": 0.0}) == {("a", Kind.SUPERVISOR): 1}
+    assert refills.owed == {}
+
+
+def test_a_training_process_waits_for_a_cpu_no_job_holds_on_its_node() -> None:
+    refills = Refills()
+    refills.owe("a", Kind.TRAINING, 2, due=0.0)
+    refills.owe("b", Kind.TRAINING, 1, due=0.0)
+    # Node a's CPUs are all held (a job trains there); b has half a CPU: neither starts.
+    assert refills.take_due(5.0, {"a", "b"}, {"a": 0.0, "b": 0.5}) == {}
+    # One of a's CPUs is free: one of its two starts; the other waits for the next.
+    assert refills.take_due(6.0, {"a", "b"}, {"a": 1.0, "b": 0.5}) == {("a", Kind.TRAINING): 1}
+    assert refills.take_due(7.0, {"a", "b"}, {"a": 4.0, "b": 3.0}) == {
+        ("a", Kind.TRAINING): 1,
+        ("b", Kind.TRAINING): 1,
+    }
+    assert refills.owed == {}
+
+
+def test_a_node_s_free_cpus_are_shared_by_what_it_is_owed_and_a_dead_node_is_forgotten() -> None:
+    refills = Refills()
+    refills.owe("a", Kind.TRAINING, 3, due=0.0)
+    refills.owe("a", Kind.SUPERVISOR, 2, due=0.0)
+    refills.owe("gone", Kind.TRAINING, 2, due=0.0)
+    # A supervisor's process holds no CPU: both start; two CPUs, two of the three training.
+    assert refills.take_due(1.0, {"a"}, {"a": 2.0, "gone": 8.0}) == {
+        ("a", Kind.TRAINING): 2,
+        ("a", Kind.SUPERVISOR): 2,
+    }
+    assert refills.owed == {("a", Kind.TRAINING): [0.0]}
