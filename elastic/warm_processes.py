@@ -55,6 +55,8 @@ KEEP_ALIVE_S = 30 * 24 * 3600
 # that took one is over by then (a new process beside that start would slow it), and a
 # node that just joined has been given the job that wanted it.
 REPLACE_AFTER_S = 3.0
+# How long a node must have had a CPU free before a training process is started there.
+IDLE_BEFORE_S = 5.0
 # A raylet that refused to start an owed process is asked again this much later.
 RETRY_AFTER_S = 30.0
 # The cluster's scheduler (elastic/cluster/capacity.py's membership watcher), a named actor
@@ -119,12 +121,14 @@ def replace_taken(kind: Kind) -> None:
 @dataclass
 class Refills:
     """The processes owed to the nodes' pools, each with the time from which it may start.
-    A training process starts only while its node has a CPU that no job holds or has
-    claimed: its torch import (seconds of a core) would otherwise be taken from the
-    training there, a straggler that every synchronous step waits for. A supervisor's
-    process (no CPU held, little imported) starts when due."""
+    A training process starts only on a node that has had a CPU no job holds or has claimed
+    for :data:`IDLE_BEFORE_S`: its torch import (seconds of a core) would otherwise be
+    taken from the training there, a straggler that every synchronous step waits for, and a
+    CPU freed by a lost worker is first the replacement's. A supervisor's process (no CPU
+    held, little imported) starts when due."""
 
     owed: dict[tuple[str, Kind], list[float]] = field(default_factory=dict)
+    free_since: dict[str, float] = field(default_factory=dict)  # node -> a CPU free since
 
     def owe(self, node: str, kind: Kind, count: int, due: float) -> None:
         if count > 0:
@@ -133,9 +137,19 @@ class Refills:
     def take_due(
         self, now: float, alive: Collection[str], free_cpus: Mapping[str, float]
     ) -> dict[tuple[str, Kind], int]:
-        """How many processes to start now, by node and kind; they are no longer owed. What
-        a node that is no longer alive was owed is forgotten."""
-        spare = {node: int(cpus + 1e-9) for node, cpus in free_cpus.items()}
+        """Given each node's free CPUs now (called at every look at the cluster), how many
+        processes to start now, by node and kind; they are no longer owed. What a node that
+        is no longer alive was owed is forgotten."""
+        spare: dict[str, int] = {}
+        for node, cpus in free_cpus.items():
+            whole = int(cpus + 1e-9)
+            if whole < 1 or node not in alive:
+                self.free_since.pop(node, None)
+                continue
+            if now - self.free_since.setdefault(node, now) >= IDLE_BEFORE_S:
+                spare[node] = whole
+        for node in set(self.free_since) - set(free_cpus):
+            del self.free_since[node]
         starts: dict[tuple[str, Kind], int] = {}
         for (node, kind), dues in list(self.owed.items()):
             if node not in alive:
@@ -143,7 +157,7 @@ class Refills:
                 continue
             count = sum(1 for due in dues if due <= now)
             if kind is Kind.TRAINING:
-                count = min(count, max(0, spare.get(node, 0)))
+                count = min(count, spare.get(node, 0))
                 spare[node] = spare.get(node, 0) - count
             if count == 0:
                 continue

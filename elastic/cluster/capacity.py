@@ -254,8 +254,6 @@ class MembershipWatcher:
 
     async def _refill(self) -> None:
         """Start the owed processes that may start now (:class:`warm_processes.Refills`)."""
-        if not self.refills.owed:
-            return
         free_cpus = {node: r.get("CPU", 0.0) for node, r in self.current.free.items()}
         for per_node, _, _ in self.claims.values():
             for node, held in per_node.items():
