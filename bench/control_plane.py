@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from bench.api_load import TOKEN, percentile, serve, wait_ready
-from elastic.warm_processes import REPLACE_AFTER_S
+from elastic.warm_processes import IDLE_BEFORE_S, REPLACE_AFTER_S
 
 
 def job(name: str, max_steps: int) -> dict[str, Any]:
@@ -187,9 +187,9 @@ def settle(api: httpx.Client, queued: int, timeout_s: float = 120.0) -> None:
 
 def steady(root: int, timeout_s: float = 120.0) -> None:
     """Until the processes under ``root`` stop coming and growing: the nodes' ready
-    processes that replace those a job took start seconds after it did, then import torch
-    (elastic/warm_processes.py)."""
-    time.sleep(REPLACE_AFTER_S + 1.0)
+    processes that replace those a job took start seconds after it did, once their node has
+    had a CPU free for a while, then import torch (elastic/warm_processes.py)."""
+    time.sleep(max(REPLACE_AFTER_S, IDLE_BEFORE_S) + 1.0)
     deadline = time.monotonic() + timeout_s
     last = tree(root)
     last_mb = rss_mb(last)

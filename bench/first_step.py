@@ -6,9 +6,10 @@ ran to its end there, timed from its `POST /v1/jobs` to the end of its first ste
 step-1 metrics event). Two sides of the service, each a fresh `etrain serve` per repetition:
 
 - **pool**: each node keeps ready processes with torch imported
-  (`ETRAIN_WARM_PROCESSES_PER_NODE=2`); the job's supervisor and workers start in them;
-- **no pool**: `ETRAIN_WARM_PROCESSES_PER_NODE=0`, the default; each worker starts a
-  process and imports torch.
+  (`ETRAIN_WARM_PROCESSES_PER_NODE=2`, the default); the job's supervisor and workers start
+  in them;
+- **no pool**: `ETRAIN_WARM_PROCESSES_PER_NODE=0`; each worker starts a process and
+  imports torch.
 
 and **torchrun** launching a 2-process DDP loop of the same model on the same synthetic data
 (`bench/throughput.py`'s loop), from its launch to the end of its first step. The sides run
@@ -31,14 +32,11 @@ import httpx
 import yaml
 
 from bench.api_load import TOKEN, serve, wait_ready
-from bench.control_plane import first_step_at
+from bench.control_plane import first_step_at, steady
 from bench.throughput import run_torchrun
 
 README_JOB = Path(__file__).resolve().parent.parent / "examples" / "job.yaml"
 SIDES = {"pool": "2", "no pool": "0"}
-# After the earlier job ended: its workers' processes are gone and the pool has started
-# their replacements (each imports torch, a few seconds of both cores).
-SETTLE_S = 10.0
 
 
 def wait_ended(api: httpx.Client, job_id: str, timeout_s: float = 180.0) -> str:
@@ -70,7 +68,10 @@ def service_start(port: int, warm: str, spec: dict[str, Any]) -> float:
                 earlier = api.post("/v1/jobs", json={**spec, "name": "earlier"}).json()["id"]
                 if wait_ended(api, earlier) != "succeeded":
                     raise SystemExit("the earlier job did not succeed")
-                time.sleep(SETTLE_S)
+                # Its processes gone, and the pools' new ones started and settled: a node
+                # refills its pool once a CPU of it has been free for a while, and each new
+                # process imports torch (seconds of both cores).
+                steady(server.pid)
                 submitted = time.time()
                 timed = api.post("/v1/jobs", json={**spec, "name": "timed"})
                 timed.raise_for_status()

@@ -53,6 +53,22 @@ def set_up() -> None:
         preloaded = True
 
 
+def fit_threads() -> None:
+    """In a process that imported torch ahead (:func:`set_up`), once an actor is in it:
+    torch's threads to the actor's CPUs. Ray sets ``OMP_NUM_THREADS`` (the actor's whole
+    CPUs, unless the environment set it) when it creates the actor, after the import, and
+    OpenMP and torch's own pool read it only once: left alone, every worker on a node would
+    run as many threads as the node has cores, and the node's workers would crowd each
+    other's cores (the suite's in-place jobs trained 4 times slower)."""
+    if not preloaded:
+        return
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
 def preload(modules: tuple[str, ...]) -> None:
     """Import ``modules``, then keep what they made out of the collector's sight: it lives
     as long as the process, and each full collection would scan it again."""

@@ -11,7 +11,7 @@ so no process that ran one job's code is handed to another job. An idle process 
 Ray resources (a CPU or GPU is taken by the actor that takes it) and no GPU memory.
 
 The scheduler's actor owes a node its pools when it first sees the node, and owes it one
-process for each that an actor takes (:func:`replace_taken`); :class:`Refills` says when
+process for each that an actor takes (:func:`adopt`); :class:`Refills` says when
 an owed process is started. A job whose supervisor has a runtime env of its own
 (object-store checkpoints, MLflow) gives its workers a different one, and Ray then starts
 new processes for them, as it did before the pools."""
@@ -100,11 +100,13 @@ def prestart(address: str, port: int, kind: Kind, count: int) -> None:
         channel.close()
 
 
-def replace_taken(kind: Kind) -> None:
-    """In the ``__init__`` of an actor whose process is of ``kind``: when the process came
-    from its node's pool, the cluster's scheduler owes the pool another (:class:`Refills`),
-    and starts it, not this actor, which may be gone by then. Never raises: a pool one
-    process short only makes a later start slower."""
+def adopt(kind: Kind) -> None:
+    """In the ``__init__`` of an actor whose process is of ``kind``: fit the process to the
+    actor (:func:`process_setup.fit_threads`), and when the process came from its node's
+    pool, have the cluster's scheduler owe the pool another (:class:`Refills`); the
+    scheduler's actor starts it, not this one, which may be gone by then. Never raises: a
+    pool one process short only makes a later start slower."""
+    process_setup.fit_threads()
     if not process_setup.from_pool or (kind == Kind.TRAINING and not process_setup.preloaded):
         return
     process_setup.from_pool = False  # one replacement per process

@@ -190,17 +190,17 @@ class Settings(BaseSettings):
         "its priority or below from starting ahead of it.",
     )
     warm_processes_per_node: int = Field(
-        0,
+        2,
         ge=0,
         le=256,
         description="Idle processes each Ray node keeps with torch imported, at most one "
         "per CPU of the node, for the next jobs' workers to start in; the head node also "
         "keeps this many plain ones for the next jobs' supervisors. Each one taken is "
-        "replaced, and no process hosts a second worker or supervisor. About 540 MB of "
-        "memory each (PSS; 47 MB a supervisor's), no CPU or GPU held. 2 brings the README's "
-        "job from its submission to its first step in 0.7 s (6.5 s without). 0, the "
-        "default until in-place recovery is proven with them: none, and every worker "
-        "starts a process and imports torch.",
+        "replaced once its node has had a CPU free for a few seconds, and no process hosts "
+        "a second worker or supervisor. About 540 MB of memory each (PSS; 47 MB a "
+        "supervisor's), no CPU or GPU held. 2 brings the README's job from its submission "
+        "to its first step in 0.7 s (6.5 s without). 0: none, and every worker starts a "
+        "process and imports torch.",
     )
     user_max_wall_time_s: float | None = Field(
         7 * 24 * 3600.0,

@@ -42,7 +42,7 @@ class Replica:
         self.outcome: str | BaseException | None = None
         # Its node's raylet gone, it ends at once (not at Ray's check a second later).
         die_with_parent()
-        warm_processes.replace_taken(warm_processes.Kind.TRAINING)
+        warm_processes.adopt(warm_processes.Kind.TRAINING)
 
     def result(self) -> str:
         """How its ``run`` ended, once it has: "finished" (it wrote the final checkpoint),

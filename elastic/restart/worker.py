@@ -74,7 +74,7 @@ class WarmWorker:
         # survivors' collectives fail now, and the attempt ends on that.
         die_with_parent()
         bind_gloo_to(ray.util.get_node_ip_address())
-        warm_processes.replace_taken(warm_processes.Kind.TRAINING)
+        warm_processes.adopt(warm_processes.Kind.TRAINING)
 
     def warm(self, train_loop: str) -> tuple[str, int]:
         """Import what every attempt needs, once; returns (node id, pid)."""

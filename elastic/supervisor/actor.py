@@ -52,7 +52,7 @@ class Supervisor:
     def __init__(self, plan: SupervisorPlan, first_seq: int) -> None:
         runner: Any
         if plan.ready_processes:
-            warm_processes.replace_taken(warm_processes.Kind.SUPERVISOR)
+            warm_processes.adopt(warm_processes.Kind.SUPERVISOR)
         if plan.fault_tolerance == "in_place":
             from elastic.in_place.runner import InPlaceRunner
 

@@ -36,6 +36,7 @@ import pytest
 from elastic.job_state import TERMINAL_STATES
 from tests.conftest import TOKEN, all_events, free_port, small_job, wait_for
 from tests.e2e.test_image_recipe import ROOT, copy_sources, stages
+from tests.processes import named, process_tree, ready_to_train
 
 
 def _stage(name: str) -> list[tuple[str, str]]:
@@ -80,24 +81,6 @@ def _image_env() -> dict[str, str]:
     return env
 
 
-def _process_tree(root_pid: int) -> set[int]:
-    """``root_pid`` and its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = set(), [root_pid]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
 # Libraries that Ray's serialization add-ons load into every worker process, and that the
 # embedded cluster's worker set-up hook keeps out (elastic/process_setup.py).
 ADD_ON_LIBRARIES = ("pydantic_core", "libarrow")
@@ -107,7 +90,7 @@ def _supervisor_libraries(root_pid: int) -> dict[int, set[str]]:
     """Of the supervisors' processes under ``root_pid``: pid -> the add-on libraries
     mapped into it."""
     found: dict[int, set[str]] = {}
-    for pid in _process_tree(root_pid):
+    for pid in process_tree(root_pid):
         try:
             if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::Supervisor"):
                 continue
@@ -121,7 +104,7 @@ def _supervisor_libraries(root_pid: int) -> dict[int, set[str]]:
 def _listening_addresses(root_pid: int) -> set[str]:
     """host:port of every listening TCP socket held by ``root_pid`` or its descendants."""
     inodes: set[str] = set()
-    for pid in _process_tree(root_pid):
+    for pid in process_tree(root_pid):
         try:
             for fd in Path(f"/proc/{pid}/fd").iterdir():
                 try:
@@ -341,36 +324,9 @@ def test_the_readme_job_succeeds_on_the_embedded_default_on_loopback_only(
     assert list(supervisors.values()) == [set()], supervisors
 
 
-def _ready_processes(root_pid: int) -> set[int]:
-    """The node's pool under ``root_pid``: idle Ray worker processes started to train
-    (elastic/warm_processes.py) that have imported torch."""
-    found = set()
-    for pid in _process_tree(root_pid):
-        try:
-            idle = Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::IDLE")
-            environ = Path(f"/proc/{pid}/environ").read_bytes()
-            training = b"ELASTIC_TRAIN_PRELOAD=training\0" in environ
-            if idle and training and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
-                found.add(pid)
-        except OSError:
-            continue
-    return found
-
-
-def _processes_named(root_pid: int, prefix: bytes) -> set[int]:
-    found = set()
-    for pid in _process_tree(root_pid):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(prefix):
-                found.add(pid)
-        except OSError:
-            continue
-    return found
-
-
 def _wait_for_pool(root_pid: int, size: int, timeout_s: float = 90.0) -> set[int]:
     deadline = time.monotonic() + timeout_s
-    while len(ready := _ready_processes(root_pid)) != size:
+    while len(ready := ready_to_train(process_tree(root_pid))) != size:
         assert time.monotonic() < deadline, f"the pool holds {sorted(ready)}, not {size}"
         time.sleep(0.5)
     return ready
@@ -379,7 +335,7 @@ def _wait_for_pool(root_pid: int, size: int, timeout_s: float = 90.0) -> set[int
 def test_a_jobs_workers_start_in_the_nodes_ready_processes_which_are_never_reused(
     installed: Path,
 ) -> None:
-    ready = Service(installed, "data-ready", {"ETRAIN_WARM_PROCESSES_PER_NODE": "2"})
+    ready = Service(installed, "data-ready")  # a service of its own: nothing else runs there
     try:
         _check_ready_processes(ready.start(), ready.url)
     finally:
@@ -390,7 +346,7 @@ def _check_ready_processes(proc: subprocess.Popen[bytes], url: str) -> None:
     api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     # The node (2 CPUs) keeps 2 processes ready, torch imported (the default).
     pool = _wait_for_pool(proc.pid, 2)
-    idle = _processes_named(proc.pid, b"ray::IDLE")
+    idle = named(process_tree(proc.pid), b"ray::IDLE")
     r = api.post("/v1/jobs", json=small_job())
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
@@ -398,8 +354,9 @@ def _check_ready_processes(proc: subprocess.Popen[bytes], url: str) -> None:
     supervisors: set[int] = set()
     deadline = time.monotonic() + 240
     while (job := api.get(f"/v1/jobs/{job_id}").json())["state"] not in TERMINAL_STATES:
-        replicas |= _processes_named(proc.pid, b"ray::Replica")
-        supervisors |= _processes_named(proc.pid, b"ray::Supervisor")
+        tree = process_tree(proc.pid)
+        replicas |= named(tree, b"ray::Replica")
+        supervisors |= named(tree, b"ray::Supervisor")
         assert time.monotonic() < deadline, job
         time.sleep(0.2)
     assert job["state"] == "succeeded", job

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from elastic.job_state import TERMINAL_STATES
 from tests.conftest import (
     MachineShare,
     all_events,
@@ -29,7 +30,7 @@ from tests.conftest import (
     wait_until_ended,
 )
 from tests.gcs import NO_REDIS, program_in, redis_answers
-from tests.hosts import Host, HostCluster, service, unavailable
+from tests.hosts import Host, HostCluster, pids_in, service, unavailable
 from tests.integration.test_elastic import (
     BATCH,
     DATASET,
@@ -38,6 +39,7 @@ from tests.integration.test_elastic import (
     final_state,
 )
 from tests.integration.test_in_place import committed_samples
+from tests.processes import named, ready_to_train
 
 NODES = 3
 REASON = unavailable()
@@ -112,6 +114,39 @@ def test_a_job_trains_across_hosts_whose_names_do_not_resolve(
     # Every host trained: the job ran at the cluster's full size from its start.
     (started,) = [e["data"] for e in events if e["kind"] == "attempt_started"]
     assert started["world_size"] == NODES, started
+
+
+# What a job's worker process is titled after, by mode (Ray titles a process after its actor).
+WORKER_TITLE = {"in_place": b"ray::Replica", "restart": b"ray::WarmWorker"}
+
+
+@pytest.mark.parametrize("mode", ["in_place", "restart"])
+def test_a_jobs_workers_start_in_the_processes_their_hosts_kept_ready(
+    api: httpx.Client, hosts: HostCluster, mode: str
+) -> None:
+    """Each host (one CPU) keeps a process ready to train, started by its raylet at the
+    scheduler's call to the host's own address (elastic/warm_processes.py). A job on every
+    host runs its workers in exactly those processes, and once it is over, each host's pool
+    is filled again with new ones: a process that served a job serves no other."""
+    hosts.restore(NODES)
+    alive = hosts.alive()
+
+    def pools() -> dict[str, set[int]] | None:
+        found = {h.netns: ready_to_train(pids_in(h.netns)) for h in alive}
+        return found if all(len(p) == 1 for p in found.values()) else None
+
+    before = wait_for(pools, 180, what="a process ready to train on every host")
+    spec = job_on_every_host(30, fault_tolerance=mode)
+    job = api.post("/v1/jobs", json=spec).json()
+    workers: dict[str, set[int]] = {h.netns: set() for h in alive}
+    while (state := api.get(f"/v1/jobs/{job['id']}").json())["state"] not in TERMINAL_STATES:
+        for h in alive:
+            workers[h.netns] |= named(pids_in(h.netns), WORKER_TITLE[mode])
+        time.sleep(0.2)
+    assert state["state"] == "succeeded", state
+    assert workers == before
+    after = wait_for(pools, 180, what="every host's pool filled again")
+    assert all(after[netns].isdisjoint(before[netns]) for netns in after), (before, after)
 
 
 # From the kill to the next step, on the machine alone (the other xdist worker's tests wait).

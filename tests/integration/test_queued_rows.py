@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from ray.util.state import list_actors, list_workers
 
-from elastic.warm_processes import REPLACE_AFTER_S
+from elastic.warm_processes import IDLE_BEFORE_S, REPLACE_AFTER_S
 from tests.conftest import (
     POOL_SIZE,
     ClusterPool,
@@ -58,9 +58,9 @@ def _head() -> tuple[int, float]:
 
 def _settled_head(timeout_s: float = 90.0) -> tuple[int, float]:
     """``_head()`` once no process comes or grows: the nodes' ready processes that replace
-    those a job just took start seconds after it did, then import torch
-    (elastic/warm_processes.py)."""
-    time.sleep(REPLACE_AFTER_S + 1.0)
+    those a job just took start seconds after it did, once their node has had a CPU free
+    for a while, then import torch (elastic/warm_processes.py)."""
+    time.sleep(max(REPLACE_AFTER_S, IDLE_BEFORE_S) + 1.0)
     deadline = time.monotonic() + timeout_s
     last = _head()
     while True:
