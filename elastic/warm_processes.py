@@ -24,6 +24,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
 from elastic import process_setup
 
 log = logging.getLogger(__name__)
@@ -36,11 +38,15 @@ class Kind(enum.Enum):
     SUPERVISOR = "supervisor"  # jobs' supervisors, on the head node: nothing more imported
 
 
-# The runtime env of every process that trains. Ray Train's print patch is read by its own
-# worker group only; it is off here so that a replica's prints go to the job's log as they
-# are.
+# The runtime env of every process that trains. It names the set-up hook itself (as Ray's
+# own ``worker_process_setup_hook`` field is passed on), so that its processes import torch
+# ahead on any cluster, not only on one whose nodes were started with the hook in their
+# environment (``jobs.launcher.worker_setup``: the embedded one, the Helm chart's). Ray
+# Train's print patch is read by its own worker group only; it is off here so that a
+# replica's prints go to the job's log as they are.
 TRAINING_ENV: dict[str, Any] = {
     "env_vars": {
+        WORKER_PROCESS_SETUP_HOOK_ENV_VAR: process_setup.SETUP_HOOK,
         process_setup.PRELOAD: process_setup.PRELOAD_TRAINING,
         "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     }
