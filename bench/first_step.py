@@ -6,10 +6,9 @@ ran to its end there, timed from its `POST /v1/jobs` to the end of its first ste
 step-1 metrics event). Two sides of the service, each a fresh `etrain serve` per repetition:
 
 - **pool**: each node keeps ready processes with torch imported
-  (`ETRAIN_WARM_PROCESSES_PER_NODE=2`, the default); the job's supervisor and workers start
-  in them;
-- **no pool**: `ETRAIN_WARM_PROCESSES_PER_NODE=0`; each worker starts a process and
-  imports torch.
+  (`ETRAIN_WARM_PROCESSES_PER_NODE=2`); the job's supervisor and workers start in them;
+- **no pool**: `ETRAIN_WARM_PROCESSES_PER_NODE=0`, the default for now; each worker starts
+  a process and imports torch.
 
 and **torchrun** launching a 2-process DDP loop of the same model on the same synthetic data
 (`bench/throughput.py`'s loop), from its launch to the end of its first step. The sides run

@@ -190,7 +190,7 @@ class Settings(BaseSettings):
         "its priority or below from starting ahead of it.",
     )
     warm_processes_per_node: int = Field(
-        2,
+        0,
         ge=0,
         le=256,
         description="Idle processes each Ray node keeps with torch imported, at most one "
@@ -199,8 +199,8 @@ class Settings(BaseSettings):
         "replaced once its node has had a CPU free for a few seconds, and no process hosts "
         "a second worker or supervisor. About 540 MB of memory each (PSS; 47 MB a "
         "supervisor's), no CPU or GPU held. 2 brings the README's job from its submission "
-        "to its first step in 0.7 s (6.5 s without). 0: none, and every worker starts a "
-        "process and imports torch.",
+        "to its first step in 0.7 s (6.5 s without). 0, the default: none, and every "
+        "worker starts a process and imports torch.",
     )
     user_max_wall_time_s: float | None = Field(
         7 * 24 * 3600.0,

@@ -511,8 +511,11 @@ def node_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def service(cluster: HostCluster, work: Path) -> Iterator[httpx.Client]:
-    """``etrain serve`` on loopback, connected to ``cluster``; yields a client of its API."""
+def service(
+    cluster: HostCluster, work: Path, settings: dict[str, str] | None = None
+) -> Iterator[httpx.Client]:
+    """``etrain serve`` on loopback, connected to ``cluster``, with ``settings`` besides the
+    tests' own; yields a client of its API."""
     env = node_env() | {
         "ETRAIN_PORT": str(free_port()),
         "ETRAIN_DATA_DIR": str(work / "service"),
@@ -520,6 +523,7 @@ def service(cluster: HostCluster, work: Path) -> Iterator[httpx.Client]:
         "ETRAIN_API_TOKEN": TOKEN,
         "ETRAIN_RAY_ADDRESS": cluster.address,
         "ETRAIN_EVENT_POLL_INTERVAL_S": "0.2",
+        **(settings or {}),
     }
     with served(env, work / "serve.log") as api:
         yield api

@@ -335,7 +335,7 @@ def _wait_for_pool(root_pid: int, size: int, timeout_s: float = 90.0) -> set[int
 def test_a_jobs_workers_start_in_the_nodes_ready_processes_which_are_never_reused(
     installed: Path,
 ) -> None:
-    ready = Service(installed, "data-ready")  # a service of its own: nothing else runs there
+    ready = Service(installed, "data-ready", {"ETRAIN_WARM_PROCESSES_PER_NODE": "2"})
     try:
         _check_ready_processes(ready.start(), ready.url)
     finally:
@@ -344,7 +344,7 @@ def test_a_jobs_workers_start_in_the_nodes_ready_processes_which_are_never_reuse
 
 def _check_ready_processes(proc: subprocess.Popen[bytes], url: str) -> None:
     api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
-    # The node (2 CPUs) keeps 2 processes ready, torch imported (the default).
+    # The node (2 CPUs) keeps 2 processes ready, torch imported.
     pool = _wait_for_pool(proc.pid, 2)
     idle = named(process_tree(proc.pid), b"ray::IDLE")
     r = api.post("/v1/jobs", json=small_job())

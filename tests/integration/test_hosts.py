@@ -122,13 +122,20 @@ WORKER_TITLE = {"in_place": b"ray::Replica", "restart": b"ray::WarmWorker"}
 
 @pytest.mark.parametrize("mode", ["in_place", "restart"])
 def test_a_jobs_workers_start_in_the_processes_their_hosts_kept_ready(
-    api: httpx.Client, hosts: HostCluster, mode: str
+    hosts: HostCluster, tmp_path: Path, mode: str
 ) -> None:
     """Each host (one CPU) keeps a process ready to train, started by its raylet at the
     scheduler's call to the host's own address (elastic/warm_processes.py). A job on every
     host runs its workers in exactly those processes, and once it is over, each host's pool
-    is filled again with new ones: a process that served a job serves no other."""
+    is filled again with new ones: a process that served a job serves no other. A service of
+    its own, with a scheduler of its own (its Ray namespace), keeps them."""
     hosts.restore(NODES)
+    ready = {"ETRAIN_WARM_PROCESSES_PER_NODE": "2", "ETRAIN_RAY_NAMESPACE": "etrain-ready"}
+    with service(hosts, tmp_path, ready) as api:
+        _workers_start_in_ready_processes(api, hosts, mode)
+
+
+def _workers_start_in_ready_processes(api: httpx.Client, hosts: HostCluster, mode: str) -> None:
     alive = hosts.alive()
 
     def pools() -> dict[str, set[int]] | None:
