@@ -254,6 +254,8 @@ class MembershipWatcher:
 
     async def _refill(self) -> None:
         """Start the owed processes that may start now (:class:`warm_processes.Refills`)."""
+        if self.warm_per_node <= 0:  # the pools are off: nothing is owed, nothing to watch
+            return
         free_cpus = {node: r.get("CPU", 0.0) for node, r in self.current.free.items()}
         for per_node, _, _ in self.claims.values():
             for node, held in per_node.items():
