@@ -46,6 +46,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -434,27 +435,44 @@ class HostCluster:
         """The alive nodes other than the head, as the GCS lists them. A head that has died
         fails the caller at once, with its log's end (a driver would wait for it forever)."""
         self._head_alive()
-        code = (
-            "import json, ray\n"
-            f"ray.init(address='{self.address}', log_to_driver=False)\n"
-            "print('nodes:', json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']"
+        found = self._driver(
+            "print('result:', json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']"
             f" and n['NodeManagerAddress'] != '{self.head_address}']))\n"
+        )
+        return [] if found is None else list(found)
+
+    def kill_actor(self, name: str, namespace: str) -> bool:
+        """The detached actor ``name`` of ``namespace`` killed; whether it was there."""
+        found = self._driver(
+            "try:\n"
+            f"    ray.kill(ray.get_actor({name!r}, namespace={namespace!r}))\n"
+            "    print('result: true')\n"
+            "except ValueError:\n"
+            "    print('result: false')\n"
+        )
+        return bool(found)
+
+    def _driver(self, code: str) -> Any:
+        """``code`` run by a driver of its own connected to the cluster (``ray`` and ``json``
+        imported); what it printed after ``result:`` as JSON, or None when it failed."""
+        program = (
+            f"import json, ray\nray.init(address='{self.address}', log_to_driver=False)\n{code}"
         )
         try:
             out = subprocess.run(
-                [sys.executable, "-c", code],
+                [sys.executable, "-c", program],
                 env=node_env(),
                 capture_output=True,
                 text=True,
                 timeout=NODE_LIST_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
-            return []
+            return None
         # Ray may print lines of its own (a raylet's message from the driver's cluster).
-        found = [line for line in out.stdout.splitlines() if line.startswith("nodes: ")]
+        found = [line for line in out.stdout.splitlines() if line.startswith("result: ")]
         if out.returncode != 0 or not found:
-            return []
-        return list(json.loads(found[-1].removeprefix("nodes: ")))
+            return None
+        return json.loads(found[-1].removeprefix("result: "))
 
     def close(self) -> None:
         for host in self.hosts:

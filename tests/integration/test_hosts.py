@@ -9,7 +9,10 @@ host name (loopback, for a name that resolves to none or to 127.0.1.1)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 from elastic.job_state import TERMINAL_STATES
+from elastic.warm_processes import SCHEDULER_NAME
 from tests.conftest import (
     MachineShare,
     all_events,
@@ -128,11 +132,27 @@ def test_a_jobs_workers_start_in_the_processes_their_hosts_kept_ready(
     scheduler's call to the host's own address (elastic/warm_processes.py). A job on every
     host runs its workers in exactly those processes, and once it is over, each host's pool
     is filled again with new ones: a process that served a job serves no other. A service of
-    its own, with a scheduler of its own (its Ray namespace), keeps them."""
+    its own, with a scheduler of its own (its Ray namespace, one per test: a scheduler
+    remembers in Ray's store which nodes it filled), keeps them."""
     hosts.restore(NODES)
-    ready = {"ETRAIN_WARM_PROCESSES_PER_NODE": "2", "ETRAIN_RAY_NAMESPACE": "etrain-ready"}
-    with service(hosts, tmp_path, ready) as api:
-        _workers_start_in_ready_processes(api, hosts, mode)
+    namespace = f"etrain-ready-{mode}"
+    ready = {"ETRAIN_WARM_PROCESSES_PER_NODE": "2", "ETRAIN_RAY_NAMESPACE": namespace}
+    try:
+        with service(hosts, tmp_path, ready) as api:
+            _workers_start_in_ready_processes(api, hosts, mode)
+    finally:
+        _pools_gone(hosts, namespace)
+
+
+def _pools_gone(hosts: HostCluster, namespace: str) -> None:
+    """The pools' scheduler (detached: it outlives its service) and its ready processes
+    gone. Left, it would fill the pool of every host the module's later tests add back,
+    importing torch beside their timed recoveries."""
+    assert hosts.kill_actor(SCHEDULER_NAME, namespace)
+    for host in hosts.alive():
+        for pid in ready_to_train(pids_in(host.netns)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _workers_start_in_ready_processes(api: httpx.Client, hosts: HostCluster, mode: str) -> None:
