@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ import httpx
 
 from bench.api_load import TOKEN, percentile, serve, wait_ready
 from elastic.warm_processes import IDLE_BEFORE_S, REPLACE_AFTER_S
+from tests.processes import process_tree
 
 
 def job(name: str, max_steps: int) -> dict[str, Any]:
@@ -70,26 +72,7 @@ def sleeper(name: str) -> dict[str, Any]:
     }
 
 
-def tree(root: int) -> list[int]:
-    """``root`` and every process descending from it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, [])
-    return found
-
-
-def rss_mb(pids: list[int]) -> float:
+def rss_mb(pids: Iterable[int]) -> float:
     total = 0
     for pid in pids:
         try:
@@ -102,7 +85,7 @@ def rss_mb(pids: list[int]) -> float:
     return total / 1024
 
 
-def pss_mb(pids: list[int]) -> dict[str, float]:
+def pss_mb(pids: Iterable[int]) -> dict[str, float]:
     """Proportional set size (MB) of these processes by kind: the jobs' supervisors, and
     everything else."""
     out = {"supervisors": 0.0, "rest": 0.0}
@@ -122,7 +105,7 @@ def running_jobs(
 ) -> dict[str, float]:
     """Memory and API latency with ``count`` jobs running at once, against the idle
     cluster; every job is cancelled after."""
-    before = pss_mb(tree(server.pid))
+    before = pss_mb(process_tree(server.pid))
     ids = []
     for i in range(count):
         answer = api.post("/v1/jobs", json=sleeper(f"running-{i}"))
@@ -142,7 +125,7 @@ def running_jobs(
             )
         time.sleep(1.0)
     steady(server.pid)  # their starts' leftovers (a GC, the pools' new processes) too
-    pids = tree(server.pid)
+    pids = process_tree(server.pid)
     after = pss_mb(pids)
     timed = timed_reads(api, ids[0], reads)
     for job_id in ids:
@@ -191,11 +174,11 @@ def steady(root: int, timeout_s: float = 120.0) -> None:
     had a CPU free for a while, then import torch (elastic/warm_processes.py)."""
     time.sleep(max(REPLACE_AFTER_S, IDLE_BEFORE_S) + 1.0)
     deadline = time.monotonic() + timeout_s
-    last = tree(root)
+    last = process_tree(root)
     last_mb = rss_mb(last)
     while True:
         time.sleep(2.0)
-        now = tree(root)
+        now = process_tree(root)
         now_mb = rss_mb(now)
         if len(now) == len(last) and abs(now_mb - last_mb) < 10.0:
             return
@@ -314,7 +297,7 @@ def main() -> None:
                         waiting.append(answer.json()["id"])
                         queued += 1
                     settle(api, queued)
-                    pids = tree(server.pid)
+                    pids = process_tree(server.pid)
                     reads = timed_reads(api, blocker, args.reads)
                     row = {"queued": float(level), "processes": float(len(pids))}
                     row["memory_mb"] = rss_mb(pids)

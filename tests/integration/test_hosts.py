@@ -44,6 +44,7 @@ from tests.integration.test_elastic import (
 )
 from tests.integration.test_in_place import committed_samples
 from tests.processes import named, ready_to_train
+from tests.workloads import thread_probe
 
 NODES = 3
 REASON = unavailable()
@@ -133,10 +134,16 @@ def test_a_jobs_workers_start_in_the_processes_their_hosts_kept_ready(
     host runs its workers in exactly those processes, and once it is over, each host's pool
     is filled again with new ones: a process that served a job serves no other. A service of
     its own, with a scheduler of its own (its Ray namespace, one per test: a scheduler
-    remembers in Ray's store which nodes it filled), keeps them."""
+    remembers in Ray's store which nodes it filled), keeps them. Each worker computes with
+    one thread, its host's one CPU, although its process imported torch before Ray said how
+    many CPUs it has."""
     hosts.restore(NODES)
     namespace = f"etrain-ready-{mode}"
-    ready = {"ETRAIN_WARM_PROCESSES_PER_NODE": "2", "ETRAIN_RAY_NAMESPACE": namespace}
+    ready = {
+        "ETRAIN_WARM_PROCESSES_PER_NODE": "2",
+        "ETRAIN_RAY_NAMESPACE": namespace,
+        "ETRAIN_ENTRYPOINT_MODULES": json.dumps(["tests.workloads"]),
+    }
     try:
         with service(hosts, tmp_path, ready) as api:
             _workers_start_in_ready_processes(api, hosts, mode)
@@ -163,7 +170,7 @@ def _workers_start_in_ready_processes(api: httpx.Client, hosts: HostCluster, mod
         return found if all(len(p) == 1 for p in found.values()) else None
 
     before = wait_for(pools, 180, what="a process ready to train on every host")
-    spec = job_on_every_host(30, fault_tolerance=mode)
+    spec = job_on_every_host(30, fault_tolerance=mode, workload=thread_probe.ENTRYPOINT)
     job = api.post("/v1/jobs", json=spec).json()
     workers: dict[str, set[int]] = {h.netns: set() for h in alive}
     while (state := api.get(f"/v1/jobs/{job['id']}").json())["state"] not in TERMINAL_STATES:
@@ -172,6 +179,13 @@ def _workers_start_in_ready_processes(api: httpx.Client, hosts: HostCluster, mod
         time.sleep(0.2)
     assert state["state"] == "succeeded", state
     assert workers == before
+    lines = [i["line"] for i in api.get(f"/v1/jobs/{job['id']}/logs").json()["items"]]
+    threads = [
+        json.loads(ln[len(thread_probe.MARKER) :])
+        for ln in lines
+        if ln.startswith(thread_probe.MARKER)
+    ]
+    assert threads == [{"torch": 1, "cpus": "1"}] * len(alive), threads
     after = wait_for(pools, 180, what="every host's pool filled again")
     assert all(after[netns].isdisjoint(before[netns]) for netns in after), (before, after)
 

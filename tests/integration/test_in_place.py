@@ -245,7 +245,7 @@ def test_two_nodes_killed_at_once_leave_one_replica_training_and_both_rejoin(
 # Two nodes lost 0.3 s apart: the lighthouse drops the first after its 0.3 s heartbeat
 # timeout, so the survivors' next quorum can hold the second replica, which dies while that
 # quorum's process group forms (64 s was seen before the rendezvous timeout). The goal is 2 s
-# from the first kill; measured here 2.1-2.3 s.
+# from the first kill.
 
 
 def test_two_nodes_lost_a_moment_apart_pause_the_survivor_briefly(
