@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.parts import CheckpointState
 from elastic.events import EventKind
+from elastic.train.process_group import all_reduce
 from elastic.train.worker import WorkerContext
 
 STATE_FILE = "state.pt"
@@ -277,7 +278,13 @@ class CheckpointManager:
         if dist.is_available() and dist.is_initialized():
             # Collective: every rank builds it at the same point (the context's start).
             # Its collectives wait for the slowest rank's previous write (rank 0 also
-            # hashes and prunes), so its timeout is storage's, not the training's.
+            # hashes and prunes), so its timeout is storage's, not the training's. Its
+            # formation waits for every rank under that hour too, where no abandon of the
+            # attempt reaches it: the ranks first meet in an all-reduce that the abandon
+            # can leave, so that a peer lost as the attempt starts ends this run instead
+            # of holding it until the runner kills the process.
+            if dist.get_backend() == "gloo":
+                all_reduce(torch.zeros(1), worker.abandoned)
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
         # A local directory with the parts (downloaded when checkpoints are in a bucket).
         self.resume_path: Path | None = None
