@@ -184,7 +184,7 @@ class WarmWorker:
         self.training_thread = threading.get_ident()
         abandoned = self.abandoned = threading.Event()
         self.attempt, self.group = meta["attempt"], None
-        self.joining = Joining(rank, host, port)
+        self.joining = Joining(rank, world_size, host, port)
         try:
             with forward_output(send):
                 try:

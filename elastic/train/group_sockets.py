@@ -17,11 +17,19 @@ import contextlib
 import ipaddress
 import os
 import socket
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 LISTEN = "0A"  # the kernel's TCP state for a listening socket
 WILDCARDS = {"0.0.0.0", "::"}
+# Gloo's handshake: the side of a pair that connects first writes the sequence number the
+# other side's pair waits for, a native 8-byte signed integer (``sequence_number_t`` in
+# gloo/transport/tcp/listener.cc). A fresh group's pair for peer ``i`` waits for ``i``.
+GLOO_SEQUENCE = struct.Struct("=q")
+# How long handing a waiting pair its connection may take: the listener is this process's.
+HAND_OVER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -128,13 +136,34 @@ class GroupSockets:
         return shut
 
 
+def hand_over(listeners: Iterable[tuple[str, int]], peers: Iterable[int]) -> int:
+    """Connect to each of this process's Gloo ``listeners`` once per peer, announce that
+    peer's sequence number, and leave at once; returns how many were handed over.
+
+    Of the two sides of a Gloo pair, the one with the lower address waits for the other to
+    connect, with no socket of its own yet: shutting sockets does not reach it, and a peer
+    that died before it connected leaves it waiting five times the group's timeout. Handed
+    a connection that ends as it starts, the pair is connected and its first use fails, so
+    the formation ends at once. A number no pair waits for is kept by the listener unused
+    until the group goes."""
+    handed = 0
+    for ip, port in listeners:
+        for peer in peers:
+            with contextlib.suppress(OSError):
+                host = "127.0.0.1" if ip == "0.0.0.0" else "::1" if ip == "::" else ip
+                with socket.create_connection((host, port), HAND_OVER_S) as conn:
+                    conn.sendall(GLOO_SEQUENCE.pack(peer))
+                handed += 1
+    return handed
+
+
 class Joining:
     """A join under way in this process, as far as it got: what :meth:`shut` closes so that
     a join waiting on a peer that died before it joined (which sends nothing, not even a
     reset) is given up at once rather than at the collective timeout."""
 
-    def __init__(self, rank: int, host: str, port: int) -> None:
-        self.rank, self.store = rank, (host, port)
+    def __init__(self, rank: int, world_size: int, host: str, port: int) -> None:
+        self.rank, self.world_size, self.store = rank, world_size, (host, port)
         self.before = set(own_sockets())
 
     def sockets(self) -> GroupSockets:
@@ -144,4 +173,10 @@ class Joining:
         return GroupSockets(frozenset(ours), frozenset({self.store}))
 
     def shut(self) -> int:
-        return self.sockets().shut()
+        """Shut the join's connections, then hand the pairs still waiting for a peer to
+        connect one that ends at once (:func:`hand_over`): the store is shut first, so a
+        formation that gets past its pairs fails at the store."""
+        sockets = self.sockets()
+        shut = sockets.shut()
+        peers = [peer for peer in range(self.world_size) if peer != self.rank]
+        return shut + hand_over(sockets.ours - {self.store}, peers)

@@ -163,7 +163,7 @@ from elastic.train.group_sockets import Joining
 from elastic.train.process_group import bound_store, join_process_group
 rank, port, give_up_s = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 store = bound_store("127.0.0.1", 3, 60.0, port=port) if rank == 0 else None
-abandoned, joining = threading.Event(), Joining(rank, "127.0.0.1", port)
+abandoned, joining = threading.Event(), Joining(rank, 3, "127.0.0.1", port)
 given_up = []
 def give_up():
     if give_up_s == 0:
@@ -222,6 +222,58 @@ def test_a_store_that_never_answers_is_given_up_within_a_try() -> None:
     the attempt is given up, within one try's length."""
     how, late_s = ended(joiner(1, free_port(), give_up_s=0.5))
     assert how == "AttemptAbandoned" and late_s < STORE_CONNECT_TRY_S + STORE_RETRY_S + 0.3
+
+
+# A rank of that world of 3 whose Gloo device is on another address, 127.0.0.2: in each of
+# its pairs it is the side that connects (the higher address), and the others' pairs wait
+# for it. It prints "published" once its address is in the store, where it then waits for
+# rank 1's, having connected to no one yet.
+PUBLISHES_THEN_DIES = """
+import datetime, sys, threading, time
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from elastic.train.group_sockets import listening_since, own_sockets
+Gloo = dist.ProcessGroupGloo
+
+def on_another_address(store, rank, size, timeout, enable_reconfigure=False):
+    options = Gloo._Options()
+    options._timeout = timeout
+    options._devices = [Gloo.create_device(hostname="127.0.0.2")]
+    return Gloo(store, rank, size, options)
+
+def published(before):
+    while not listening_since(before):
+        time.sleep(0.01)
+    time.sleep(0.5)  # its address goes into the store as its listener opens
+    print("published", flush=True)
+
+c10d.ProcessGroupGloo = on_another_address
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 3, timeout=datetime.timedelta(seconds=60))
+threading.Thread(target=published, args=(set(own_sockets()),), daemon=True).start()
+dist.init_process_group("gloo", store=store, rank=2, world_size=3)
+"""
+
+
+def test_a_join_whose_pair_waits_for_a_peer_that_died_before_connecting_is_given_up() -> None:
+    """Rank 2 put its address in the store and died before it connected to anyone. Rank 0
+    and rank 1, on a lower address, each wait in a pair for rank 2 to connect: no socket of
+    theirs leads to it, and Gloo would wait five times the 60 s timeout. Giving the join up
+    ends it at once on both."""
+    port = free_port()
+    first = joiner(0, port, give_up_s=0)
+    dead = subprocess.Popen(
+        [sys.executable, "-c", PUBLISHES_THEN_DIES, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert dead.stdout is not None and dead.stdout.readline().strip() == "published"
+    finally:
+        dead.kill()
+        dead.wait()
+    second = joiner(1, port, give_up_s=2.0)
+    how, late_s = ended(second)
+    assert how != "joined" and late_s < 1.0, (how, late_s)
+    how, late_s = ended(first, give_up=True)
+    assert how != "joined" and late_s < 1.0, (how, late_s)
 
 
 def free_port() -> int:
