@@ -279,13 +279,14 @@ class CheckpointManager:
             # Collective: every rank builds it at the same point (the context's start).
             # Its collectives wait for the slowest rank's previous write (rank 0 also
             # hashes and prunes), so its timeout is storage's, not the training's. Its
-            # formation waits for every rank under that hour too, where no abandon of the
-            # attempt reaches it: the ranks first meet in an all-reduce that the abandon
-            # can leave, so that a peer lost as the attempt starts ends this run instead
-            # of holding it until the runner kills the process.
+            # formation waits for every rank under that hour too: the ranks first meet in
+            # an all-reduce, so that a peer lost as the attempt starts fails this run at
+            # once (Gloo's reset), and the formation itself is one the supervisor's word
+            # can end (``worker.forming``).
             if dist.get_backend() == "gloo":
                 all_reduce(torch.zeros(1), worker.abandoned)
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
+            with worker.forming():
+                self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=1))
         # A local directory with the parts (downloaded when checkpoints are in a bucket).
         self.resume_path: Path | None = None
         restored = self._load(worker.resume_path) if worker.resume_path else None

@@ -9,6 +9,7 @@ collectives fail at once, and the attempt ends on that first signal."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -111,10 +113,24 @@ class WarmWorker:
         froze or vanished sends nothing, not even a reset, so a wait on it would otherwise
         last until the collective timeout. Word of an earlier attempt is ignored."""
         if self.attempt == attempt:
-            self.abandoned.set()  # before the group is read: see ``run``
-            group = self.group if self.group is not None else self.joining
-            if group is not None:
-                group.shut()
+            self.abandoned.set()  # before the groups are read: see ``run`` and ``forming``
+            for group in (self.group, self.joining):
+                if group is not None:
+                    group.shut()
+
+    @contextlib.contextmanager
+    def forming(self, rank: int, world_size: int, host: str, port: int) -> Iterator[None]:
+        """A further process group of the run forms (every rank at once, through the
+        attempt's store): the supervisor's word reaches it as it reaches the join."""
+        from elastic.train.process_group import AttemptAbandoned
+
+        self.joining = Joining(rank, world_size, host, port)
+        try:
+            if self.abandoned.is_set():  # given up before the formation could be seen
+                raise AttemptAbandoned("the attempt failed elsewhere")
+            yield
+        finally:
+            self.joining = None
 
     def where(self, rank: int, after_s: float) -> str:
         """Where this worker's training thread is, as a stack, also printed into the job's
@@ -207,6 +223,7 @@ class WarmWorker:
                     device = torch.device("cpu") if "command" in config else _device()
                     worker = WorkerContext.from_config(config, rank, world_size, device)
                     worker.abandoned = abandoned
+                    worker.forming = functools.partial(self.forming, rank, world_size, host, port)
                     run_with_context(resolve(meta["train_loop"]), config, worker)
                 except AttemptAbandoned:
                     pass  # the attempt's failure is another worker's to report

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +48,12 @@ class WorkerContext:
     # Set by the supervisor's word that the attempt failed elsewhere: collectives still
     # waiting give up (elastic.train.process_group.all_reduce).
     abandoned: threading.Event = field(default_factory=threading.Event, init=False)
+    # Wraps the formation of each further process group of the attempt (a collective of
+    # every rank), so that the supervisor's word reaches a formation waiting on a lost peer
+    # too (``elastic/restart/worker.py``); nothing where no one gives attempts up.
+    forming: Callable[[], contextlib.AbstractContextManager[None]] = field(
+        default=contextlib.nullcontext, init=False
+    )
     _drain_noticed: threading.Event = field(default_factory=threading.Event, init=False)
     _closed: threading.Event = field(default_factory=threading.Event, init=False)
 
