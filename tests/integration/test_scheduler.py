@@ -30,6 +30,7 @@ from tests.integration.test_elastic import (
     get,
     samples_that_count,
     state_changes,
+    story,
     wait_until,
 )
 from tests.integration.test_in_place import committed_samples
@@ -320,13 +321,19 @@ def test_spare_workers_go_to_the_job_that_speeds_up_with_them(api: httpx.Client)
         "the flat job measured on the whole pool",
     )
     gains = api.post("/v1/jobs", json=paced_job("gains", 100_000, 0.3, True)).json()
-    wait_until(
-        api,
-        gains["id"],
-        lambda j: j["state"] == "running" and j["world_size"] == 2,
-        180,
-        "the job that gains at 2 workers",
-    )
+    try:
+        wait_until(
+            api,
+            gains["id"],
+            lambda j: j["state"] == "running" and j["world_size"] == 2,
+            180,
+            "the job that gains at 2 workers",
+        )
+    except AssertionError as e:
+        # With the nodes' ready processes on, it failed twice in whole suites (passing in
+        # its module): the nodes and whose workers sit where, for the next look.
+        cluster = api.get("/v1/cluster").json()
+        raise AssertionError(f"{e}; the flat job: {story(api, flat['id'])}; {cluster}") from None
     assert get(api, flat["id"])["world_size"] == 1
     assert sizes(api, gains["id"])[-1] == 2 and sizes(api, flat["id"])[-1] == 1
     moves = [(d["change"], d["to_world"]) for d in scheduled(api, flat["id"])]
