@@ -417,6 +417,10 @@ def _ended(api: httpx.Client, job_id: str) -> dict[str, Any]:
     return job
 
 
+SURVIVOR_STEPS = 900
+FRESH_STEPS = 600
+
+
 def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> None:
     """The embedded Ray ends with the service. Two jobs run when it is killed: one resumes
     from its latest checkpoint when the service comes back, and its steps end at max_steps;
@@ -425,27 +429,34 @@ def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> Non
     the service starts a Ray.)"""
     api = httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {TOKEN}"})
     one_worker = {"min_workers": 1, "max_workers": 1, "cpus_per_worker": 1}
-    survivor = small_job(max_steps=300) | {"name": "survivor", "scaling": one_worker}
-    fresh = small_job(max_steps=120) | {"name": "no-checkpoint", "scaling": one_worker}
+    # Steps take ~30 ms here; the two jobs' starts can be seconds apart on a loaded machine,
+    # so each has enough steps left to still be training when the other is where the kill
+    # needs it.
+    survivor = small_job(max_steps=SURVIVOR_STEPS) | {"name": "survivor", "scaling": one_worker}
+    fresh = small_job(max_steps=FRESH_STEPS) | {"name": "no-checkpoint", "scaling": one_worker}
     fresh["checkpoint"] = {"every_steps": 100_000, "keep": 1}
     survivor_id = api.post("/v1/jobs", json=survivor).json()["id"]
     fresh_id = api.post("/v1/jobs", json=fresh).json()["id"]
-    checkpoint = wait_for(
-        lambda: (c := api.get(f"/v1/jobs/{survivor_id}/checkpoints").json()["items"]) and c,
-        timeout=180,
-        what="a first checkpoint",
-    )
-    reached = wait_for(
-        lambda: (j := api.get(f"/v1/jobs/{fresh_id}").json())["step"] > 0 and j,
-        timeout=180,
-        what="the other job's first steps",
+
+    def both_ready() -> tuple[list[dict[str, Any]], dict[str, Any]] | None:
+        jobs = [api.get(f"/v1/jobs/{i}").json() for i in (survivor_id, fresh_id)]
+        ended = [j for j in jobs if j["state"] in TERMINAL_STATES]
+        assert not ended, f"a job ended before the kill: {ended}"
+        saved = api.get(f"/v1/jobs/{survivor_id}/checkpoints").json()["items"]
+        return (saved, jobs[1]) if saved and jobs[1]["step"] > 0 else None
+
+    checkpoint, reached = wait_for(
+        both_ready, timeout=180, what="a first checkpoint and the other job's first steps"
     )
     assert reached["state"] == "running"
-    assert api.get(f"/v1/jobs/{survivor_id}").json()["state"] == "running"
     _kill_and_restart(service)
 
     job = _ended(api, survivor_id)
-    assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 300, 300)
+    assert (job["state"], job["step"], job["total_steps"]) == (
+        "succeeded",
+        SURVIVOR_STEPS,
+        SURVIVOR_STEPS,
+    )
     events = all_events(api, survivor_id)
     kinds = [e["kind"] for e in events]
     assert "supervisor_recreated" in kinds, kinds
@@ -454,10 +465,14 @@ def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> Non
     assert resumed_at >= checkpoint[0]["step"]
     # After the restore, each step is reported once, in order, up to max_steps.
     steps = [e["data"]["step"] for e in events[last_restore:] if e["kind"] == "metrics"]
-    assert steps == sorted(set(steps)) and steps[0] > resumed_at and steps[-1] == 300
+    assert steps == sorted(set(steps)) and steps[0] > resumed_at and steps[-1] == SURVIVOR_STEPS
 
     job = _ended(api, fresh_id)
-    assert (job["state"], job["step"], job["total_steps"]) == ("succeeded", 120, 120)
+    assert (job["state"], job["step"], job["total_steps"]) == (
+        "succeeded",
+        FRESH_STEPS,
+        FRESH_STEPS,
+    )
     events = all_events(api, fresh_id)
     kinds = [e["kind"] for e in events]
     recreated = kinds.index("supervisor_recreated")
@@ -476,7 +491,7 @@ def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> Non
     assert told and int(told[1]) >= reached["step"], said
     assert "restored" not in kinds[recreated:]
     steps = [e["data"]["step"] for e in events[recreated:] if e["kind"] == "metrics"]
-    assert steps == list(range(1, 121))
+    assert steps == list(range(1, FRESH_STEPS + 1))
 
 
 @pytest.mark.alone  # it bounds the shutdown's time
