@@ -227,10 +227,19 @@ def estimate(throughput: Mapping[int, float], n: int) -> float:
 
 def _amdahl(a: tuple[int, float], b: tuple[int, float]) -> tuple[float, float]:
     """(one worker's samples/s, the serial fraction in [0, 1]) of the curve
-    ``T(n) = rate * n / (1 + serial * (n - 1))`` through two measured points."""
+    ``T(n) = rate * n / (1 + serial * (n - 1))`` through two measured points (``a`` the
+    smaller size). Between them the curve rises by a factor from 1 (serial 1: flat) to
+    ``kb / ka`` (serial 0: linear); a measured rise outside that range is read as the
+    nearest end. A fall (the larger size measured slower: noise, or a step slowed by the
+    resize that ended it) is flat, never linear: solving for it directly gives a serial
+    fraction below 0, and clamping that made a job with no gain look perfectly scalable."""
     (ka, va), (kb, vb) = a, b
-    denominator = va * (ka - 1) / ka - vb * (kb - 1) / kb
-    serial = 0.0 if abs(denominator) <= _EPS else (vb / kb - va / ka) / denominator
+    if va <= _EPS:
+        return 0.0, 1.0
+    rise = min(max(vb / va, 1.0), kb / ka)
+    # rise = kb (1 + s (ka - 1)) / (ka (1 + s (kb - 1))), solved for s; the denominator is
+    # at least kb - ka > 0 for rise >= 1.
+    serial = (kb - rise * ka) / (rise * ka * (kb - 1) - kb * (ka - 1))
     serial = min(1.0, max(0.0, serial))
     return va * (1 + serial * (ka - 1)) / ka, serial
 

@@ -648,12 +648,18 @@ class JobLoop:
         current = self.attempt
         if current is None or attempt != current.number:
             return False
-        if current.grow_to is None and not self._drained(current) and current.shrink is None:
-            return False
-        if self.cancelled:
+        if not self._pausing(current) or self.cancelled:
             return False
         current.paused_at = step
         return True
+
+    def _pausing(self, attempt: Attempt) -> bool:
+        """The attempt is to pause: to grow, to leave a draining node, or to shrink."""
+        return (
+            attempt.grow_to is not None
+            or bool(self._drained(attempt))
+            or attempt.shrink is not None
+        )
 
     def drain_pending(self, attempt: int) -> bool:
         """Polled by rank 0: is a node of this attempt draining? Its workers then pause at
@@ -721,11 +727,13 @@ class JobLoop:
                 return  # sent again by a replica that became the reporter: logged already
             done = None if completed is None else int(completed)
             rate, world = data.get("samples_per_s"), data.get("world_size")
-            # An attempt's first report times its first step, which also builds what later
-            # steps reuse (DDP's buckets, the loader's iterator): told to the scheduler as
-            # the rate at this size, it made a job that gains from a worker look as if it
-            # did not, and the worker went back.
-            if rate and world and current.running:
+            # Two steps' rates are not the job's at this size, and are not told to the
+            # scheduler: an attempt's first (it also builds what later steps reuse: DDP's
+            # buckets, the loader's iterator), which made a job that gains from a worker look
+            # as if it did not; and the steps after a pause was asked (the last waits for the
+            # checkpoint), which made a job that does not gain look as if it did, so that it
+            # kept a worker another job needed.
+            if rate and world and current.running and not self._pausing(current):
                 self.throughput[int(world)] = float(rate)
             current.saw_step(int(data.get("step", 0)), done)
             if not current.running:

@@ -160,6 +160,19 @@ def test_workers_move_to_a_job_that_gains_more_beyond_hysteresis() -> None:
     assert out["scales"].reason == "grew: it gains the most throughput"
 
 
+def test_a_job_measured_slower_at_its_larger_size_is_flat_not_scalable() -> None:
+    """What a whole-suite run measured: "flat" (the same samples/s at any size) was last
+    seen at 3 workers in the step slowed by the shrink to 2 that ended it (115 samples/s,
+    190 at 2). Below 2 it must look flat, so the worker goes to the job that doubles."""
+    assert estimate({2: 190.0, 3: 115.0}, 1) == 190.0
+    assert marginal_gain({2: 190.0, 3: 115.0}, 1) == 0.0
+    flat = job("flat", lo=1, hi=3, at=0, size=2, throughput={3: 115.0, 2: 190.0})
+    gains = job("gains", lo=1, hi=3, at=1, size=1, throughput={1: 187.0})
+    out = plan(cpu_nodes(1, 1, 1), [flat, gains], {}, now=1000)
+    assert sizes(out) == {"flat": 1, "gains": 2}
+    assert out["flat"].reason == "shrunk: job gains gains more throughput from the workers"
+
+
 def test_hysteresis_keeps_workers_against_a_slightly_better_curve() -> None:
     # a's workers each add 0.85 of its per-worker rate, b's (unmeasured beyond 2) a whole.
     a = job("a", lo=2, hi=8, at=0, size=6, throughput={2: 20.0, 6: 54.0})

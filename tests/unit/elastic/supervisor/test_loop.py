@@ -1055,8 +1055,12 @@ def test_the_scheduler_shrinks_a_running_job_at_its_next_step_without_redoing_on
         h.start()
         await h.workers_start(1, step=1)
         assert h.runner.specs[0].world_size == 3
+        h.metrics(1, 2, samples_per_s=90.0, world_size=3)
+        await h.until(lambda: h.capacity.observed == [(3, 90.0)], "the throughput told")
         decide(cluster, 1, Change.SHRINK, "shrunk for job hi (priority 100)", for_job="hi")
         await h.until(lambda: h.loop.drain_pending(1), "the shrink noticed")
+        # The step that pauses waits for its checkpoint: not the job's rate at 3.
+        h.metrics(1, 7, samples_per_s=40.0, world_size=3)
         (told,) = h.of("scheduled")
         assert told == {
             "change": "shrink",
@@ -1075,6 +1079,9 @@ def test_the_scheduler_shrinks_a_running_job_at_its_next_step_without_redoing_on
         assert (resized["from_world"], resized["to_world"], resized["steps_redone"]) == (3, 1, 0)
         assert (resized["reason"], resized["for_job"]) == ("shrunk for job hi (priority 100)", "hi")
         assert h.of("restored") == []
+        h.metrics(2, 9, samples_per_s=85.0, world_size=1)
+        await h.until(lambda: (1, 85.0) in h.capacity.observed, "the rate at 1 told")
+        assert h.capacity.observed == [(3, 90.0), (1, 85.0)]
         h.runner.end(AttemptOutcome())
         await h.finish()
         assert h.states() == ["starting", "running", "succeeded"]
