@@ -449,6 +449,7 @@ def test_jobs_survive_a_sigkill_of_the_embedded_service(service: Service) -> Non
         both_ready, timeout=180, what="a first checkpoint and the other job's first steps"
     )
     assert reached["state"] == "running"
+    assert api.get(f"/v1/jobs/{survivor_id}").json()["state"] == "running"
     _kill_and_restart(service)
 
     job = _ended(api, survivor_id)
